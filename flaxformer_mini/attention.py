@@ -1,0 +1,147 @@
+"""Figure 2: scaled dot-product attention and multi-head attention.
+
+Three arrows go into every attention block: queries, keys and values. Each
+gets its own learned projection, then the model splits d_model into h heads
+of size d_k = d_model / h, attends in each head independently, concatenates
+the heads and mixes them with the output projection W^O.
+
+Every intermediate is recorded with `sow` in the 'intermediates' collection
+(free unless that collection is requested as mutable), which is what the
+tensor tour and the attention plots read.
+"""
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_mini.config import TransformerConfig
+
+
+def scaled_dot_product_attention(
+    query, key, value, mask=None,
+    dropout: Callable[[jnp.ndarray], jnp.ndarray] = lambda weights: weights):
+  """softmax(Q K^T / sqrt(d_k)) V, with masked keys given exactly zero weight.
+
+  Args:
+    query: [batch, heads, q_len, d_k].
+    key: [batch, heads, k_len, d_k].
+    value: [batch, heads, k_len, d_k].
+    mask: bool, broadcastable to [batch, heads, q_len, k_len]; True = attend.
+    dropout: applied to the weights before they mix the values.
+
+  Returns:
+    (output [batch, heads, q_len, d_k], scores [batch, heads, q_len, k_len]
+    after masking, weights [batch, heads, q_len, k_len]).
+  """
+  d_k = query.shape[-1]
+  scores = jnp.einsum('bhqd,bhkd->bhqk', query, key) / jnp.sqrt(
+      jnp.asarray(d_k, query.dtype))
+  # Softmax in float32 even when the matmuls run in a lower precision.
+  scores = scores.astype(jnp.float32)
+  if mask is not None:
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1)
+  if mask is not None:
+    # A row with every key masked would otherwise get uniform weights.
+    weights = jnp.where(mask, weights, 0.0)
+  output = jnp.einsum('bhqk,bhkd->bhqd', dropout(weights).astype(value.dtype),
+                      value)
+  return output, scores, weights
+
+
+def split_heads(x, num_heads: int):
+  """[batch, len, d_model] -> [batch, heads, len, d_k]."""
+  batch, length, d_model = x.shape
+  return x.reshape(batch, length, num_heads, d_model // num_heads).transpose(
+      0, 2, 1, 3)
+
+
+def merge_heads(x):
+  """[batch, heads, len, d_k] -> [batch, len, heads * d_k] (the concatenation)."""
+  batch, heads, length, d_k = x.shape
+  return x.transpose(0, 2, 1, 3).reshape(batch, length, heads * d_k)
+
+
+class MultiHeadAttention(nn.Module):
+  """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O.
+
+  In decode mode (self-attention only) the keys and values of the tokens seen
+  so far are kept in the 'cache' collection, so each call processes only the
+  new token(s) and attends to everything before them.
+  """
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_kv, mask=None, deterministic: bool = True,
+               decode: bool = False):
+    """Attends from inputs_q to inputs_kv.
+
+    Args:
+      inputs_q: [batch, q_len, d_model], where the queries come from.
+      inputs_kv: [batch, k_len, d_model], where the keys and values come from
+        (the same tensor for self-attention; the encoder output for the
+        decoder's second block).
+      mask: bool, broadcastable to [batch, heads, q_len, k_len]. Ignored in
+        decode mode, where the cache supplies the causal mask.
+      deterministic: disables dropout.
+      decode: use and update the key/value cache (self-attention only).
+
+    Returns:
+      [batch, q_len, d_model].
+    """
+    cfg = self.config
+    # W^Q, W^K, W^V of all heads at once: [d_model, h * d_k] each.
+    projection = lambda name: nn.Dense(cfg.d_model, name=name)
+    query = split_heads(projection('wq')(inputs_q), cfg.num_heads)
+    key = split_heads(projection('wk')(inputs_kv), cfg.num_heads)
+    value = split_heads(projection('wv')(inputs_kv), cfg.num_heads)
+    self.sow('intermediates', 'query', query)
+    self.sow('intermediates', 'key', key)
+    self.sow('intermediates', 'value', value)
+
+    if decode:
+      key, value, mask = self._update_cache(key, value)
+
+    dropout_layer = nn.Dropout(cfg.attention_dropout_rate)
+    heads, scores, weights = scaled_dot_product_attention(
+        query, key, value, mask,
+        dropout=lambda w: dropout_layer(w, deterministic=deterministic))
+    self.sow('intermediates', 'scores', scores)
+    self.sow('intermediates', 'weights', weights)
+    self.sow('intermediates', 'heads', heads)
+    concatenated = merge_heads(heads)
+    self.sow('intermediates', 'concatenated', concatenated)
+    return nn.Dense(cfg.d_model, name='wo')(concatenated)
+
+  def _update_cache(self, key, value):
+    """Writes the new keys/values at the cache index; returns all of them.
+
+    key, value: [batch, heads, new_len, d_k] -> cached key and value
+    [batch, heads, cache_len, d_k] and the mask bool[1, 1, new_len, cache_len]
+    that lets query i see the cached positions up to its own.
+    """
+    is_initialized = self.has_variable('cache', 'cached_key')
+    cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape,
+                               key.dtype)
+    cached_value = self.variable('cache', 'cached_value', jnp.zeros,
+                                 value.shape, value.dtype)
+    cache_index = self.variable('cache', 'cache_index',
+                                lambda: jnp.zeros((), jnp.int32))
+    new_len, cache_len = key.shape[2], cached_key.value.shape[2]
+    if not is_initialized:
+      # Initialisation sees the full-length dummy target: it only sizes the
+      # cache, so attend causally over that dummy input.
+      return key, value, jnp.tril(jnp.ones((new_len, new_len), bool))[None,
+                                                                       None]
+    index = cache_index.value
+    start = (0, 0, index, 0)
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key,
+                                                    start)
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value,
+                                                      value, start)
+    cache_index.value = index + new_len
+    query_positions = index + jnp.arange(new_len)
+    mask = jnp.arange(cache_len)[None, :] <= query_positions[:, None]
+    return cached_key.value, cached_value.value, mask[None, None]

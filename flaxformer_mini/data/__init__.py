@@ -1,0 +1,1 @@
+"""Data sources: the synthetic copy task (and, later, parallel text)."""

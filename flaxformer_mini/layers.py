@@ -1,0 +1,108 @@
+"""Figure 1's layers: the feed-forward block, Add & Norm, encoder and decoder layers.
+
+Section 3.1: each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x)))
+(post-norm, the paper's choice). `pre_norm=True` switches to the common
+alternative x + Dropout(Sublayer(LayerNorm(x))), which trains more stably in
+deep stacks; the stacks then end with a final LayerNorm (see model.py).
+"""
+
+from typing import Callable
+
+import flax.linen as nn
+
+from flaxformer_mini.attention import MultiHeadAttention
+from flaxformer_mini.config import TransformerConfig
+
+
+class FeedForward(nn.Module):
+  """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position alike.
+
+  x: [batch, len, d_model] -> [batch, len, d_model], via [batch, len, d_ff].
+  """
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x):
+    hidden = nn.relu(nn.Dense(self.config.d_ff, name='wi')(x))
+    return nn.Dense(self.config.d_model, name='wo')(hidden)
+
+
+class AddAndNorm(nn.Module):
+  """The residual connection and layer norm around one sublayer.
+
+  x: [batch, len, d_model]; sublayer maps [batch, len, d_model] to the same.
+  """
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, sublayer: Callable, deterministic: bool):
+    norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon)
+    dropout = nn.Dropout(self.config.dropout_rate)
+    if self.config.pre_norm:
+      return x + dropout(sublayer(norm(x)), deterministic=deterministic)
+    return norm(x + dropout(sublayer(x), deterministic=deterministic))
+
+
+class EncoderLayer(nn.Module):
+  """Self-attention, then feed-forward, each wrapped in Add & Norm."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, src_mask, deterministic: bool = True):
+    """x: [batch, src_len, d_model]; src_mask: bool[batch, 1, 1, src_len].
+
+    Returns [batch, src_len, d_model].
+    """
+    self_attention = MultiHeadAttention(self.config, name='self_attention')
+    feed_forward = FeedForward(self.config, name='feed_forward')
+    x = AddAndNorm(self.config, name='self_attention_norm')(
+        x, lambda y: self_attention(y, y, src_mask, deterministic),
+        deterministic)
+    self.sow('intermediates', 'after_self_attention', x)
+    x = AddAndNorm(self.config, name='feed_forward_norm')(
+        x, feed_forward, deterministic)
+    self.sow('intermediates', 'after_feed_forward', x)
+    return x
+
+
+class DecoderLayer(nn.Module):
+  """Masked self-attention, encoder-decoder attention, then feed-forward.
+
+  In the second attention block the queries come from the decoder and the keys
+  and values from the encoder output: that is how each target position looks
+  at the source sentence.
+  """
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y, encoded, src_mask, tgt_mask, deterministic: bool = True,
+               decode: bool = False):
+    """One decoder layer.
+
+    Args:
+      y: [batch, tgt_len, d_model], the decoder's running representation.
+      encoded: [batch, src_len, d_model], the encoder output.
+      src_mask: bool[batch, 1, 1, src_len].
+      tgt_mask: bool[batch, 1, tgt_len, tgt_len] (unused in decode mode, where
+        the key/value cache supplies the causal mask).
+      deterministic: disables dropout.
+      decode: process only the new token(s), using the cache.
+
+    Returns:
+      [batch, tgt_len, d_model].
+    """
+    self_attention = MultiHeadAttention(self.config, name='self_attention')
+    cross_attention = MultiHeadAttention(self.config, name='cross_attention')
+    feed_forward = FeedForward(self.config, name='feed_forward')
+    y = AddAndNorm(self.config, name='self_attention_norm')(
+        y, lambda z: self_attention(z, z, tgt_mask, deterministic, decode),
+        deterministic)
+    self.sow('intermediates', 'after_self_attention', y)
+    y = AddAndNorm(self.config, name='cross_attention_norm')(
+        y, lambda z: cross_attention(z, encoded, src_mask, deterministic),
+        deterministic)
+    self.sow('intermediates', 'after_cross_attention', y)
+    y = AddAndNorm(self.config, name='feed_forward_norm')(
+        y, feed_forward, deterministic)
+    self.sow('intermediates', 'after_feed_forward', y)
+    return y

@@ -1,0 +1,70 @@
+"""The training objective: label smoothing as a KL divergence (Section 5.4).
+
+The model is trained to match a smoothed target distribution q rather than a
+one-hot: q puts 1 - eps on the true token, spreads eps evenly over the V - 2
+tokens that are neither the true token nor pad, and puts 0 on pad. The loss of
+one position is KL(q || p) = sum_v q_v (log q_v - log p_v); with eps = 0 it is
+exactly the cross-entropy -log p_true. Pad positions of the target contribute
+nothing.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def smoothed_targets(labels, vocab_size: int, label_smoothing: float,
+                     pad_id: int):
+  """The distribution q for every position.
+
+  labels: int32[batch, len] -> float32[batch, len, vocab]. Materialises the
+  [batch, len, vocab] tensor, so it is for inspection and tests; the loss uses
+  the closed form below instead.
+  """
+  off_value = label_smoothing / (vocab_size - 2) if label_smoothing else 0.0
+  one_hot = jax.nn.one_hot(labels, vocab_size, dtype=jnp.float32)
+  q = one_hot * (1.0 - label_smoothing) + (1.0 - one_hot) * off_value
+  return q.at[..., pad_id].set(0.0)
+
+
+def _xlogx(x: float) -> float:
+  return x * math.log(x) if x > 0 else 0.0
+
+
+def label_smoothed_kl(logits, labels, label_smoothing: float, pad_id: int):
+  """Summed KL(q || softmax(logits)) over the real (non-pad) target tokens.
+
+  Computed from log p without building q: sum_v q_v log p_v =
+  (1 - eps) log p_true + eps / (V - 2) * (sum_v log p_v - log p_true - log p_pad),
+  and sum_v q_v log q_v is a constant.
+
+  Args:
+    logits: float[batch, len, vocab] (upcast to float32 here).
+    labels: int32[batch, len], pad where there is no token.
+    label_smoothing: eps in [0, 1).
+    pad_id: the padding id.
+
+  Returns:
+    (loss_sum: float32[], ntokens: int32[]); the mean loss is their ratio.
+  """
+  vocab_size = logits.shape[-1]
+  log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  confidence = 1.0 - label_smoothing
+  off_value = label_smoothing / (vocab_size - 2) if label_smoothing else 0.0
+  log_p_true = jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
+  cross = confidence * log_p_true
+  if label_smoothing:
+    cross += off_value * (jnp.sum(log_p, axis=-1) - log_p_true -
+                          log_p[..., pad_id])
+  neg_entropy = _xlogx(confidence) + (vocab_size - 2) * _xlogx(off_value)
+  real = labels != pad_id
+  loss_sum = jnp.sum(jnp.where(real, neg_entropy - cross, 0.0))
+  return loss_sum, jnp.sum(real).astype(jnp.int32)
+
+
+def correct_tokens(logits, labels, pad_id: int):
+  """How many real target tokens the argmax predicts: -> int32[]."""
+  real = labels != pad_id
+  return jnp.sum((jnp.argmax(logits, axis=-1) == labels) & real).astype(
+      jnp.int32)

@@ -1,0 +1,119 @@
+"""Figure 1 as a whole: the encoder stack, the decoder stack, the Transformer.
+
+`Transformer.encode` and `Transformer.decode` are separate so that decoding
+runs the encoder once and then calls the decoder token by token.
+"""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.embeddings import PositionalEncoding, TokenEmbedding
+from flaxformer_mini.layers import DecoderLayer, EncoderLayer
+
+
+class Encoder(nn.Module):
+  """Embedding + positions, then N encoder layers (the left half of Figure 1)."""
+  config: TransformerConfig
+  embedding: TokenEmbedding
+
+  @nn.compact
+  def __call__(self, src, src_mask, deterministic: bool = True):
+    """src: int32[batch, src_len]; src_mask: bool[batch, 1, 1, src_len].
+
+    Returns the encoder output ("memory"): [batch, src_len, d_model].
+    """
+    cfg = self.config
+    x = PositionalEncoding(cfg)(self.embedding(src))
+    self.sow('intermediates', 'embedded', x)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    for i in range(cfg.num_encoder_layers):
+      x = EncoderLayer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
+    if cfg.pre_norm:
+      x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, name='final_norm')(x)
+    return x
+
+
+class Decoder(nn.Module):
+  """Embedding + positions, then N decoder layers (the right half of Figure 1)."""
+  config: TransformerConfig
+  embedding: TokenEmbedding
+
+  @nn.compact
+  def __call__(self, tgt_in, encoded, src_mask, tgt_mask,
+               deterministic: bool = True, decode: bool = False):
+    """tgt_in: int32[batch, tgt_len] -> [batch, tgt_len, d_model].
+
+    encoded: [batch, src_len, d_model]; src_mask: bool[batch, 1, 1, src_len];
+    tgt_mask: bool[batch, 1, tgt_len, tgt_len] or None in decode mode.
+    """
+    cfg = self.config
+    y = PositionalEncoding(cfg)(self.embedding(tgt_in), decode=decode)
+    self.sow('intermediates', 'embedded', y)
+    y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    for i in range(cfg.num_decoder_layers):
+      y = DecoderLayer(cfg, name=f'layer_{i}')(
+          y, encoded, src_mask, tgt_mask, deterministic, decode)
+    if cfg.pre_norm:
+      y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, name='final_norm')(y)
+    return y
+
+
+class Transformer(nn.Module):
+  """The encoder-decoder Transformer of "Attention Is All You Need"."""
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    if cfg.share_embeddings:
+      source_embedding = target_embedding = TokenEmbedding(
+          cfg.src_vocab_size, cfg, name='shared_embedding')
+    else:
+      source_embedding = TokenEmbedding(cfg.src_vocab_size, cfg,
+                                        name='source_embedding')
+      target_embedding = TokenEmbedding(cfg.tgt_vocab_size, cfg,
+                                        name='target_embedding')
+    self.target_embedding = target_embedding
+    self.encoder = Encoder(cfg, source_embedding)
+    self.decoder = Decoder(cfg, target_embedding)
+    if not cfg.tie_output_embedding:
+      self.output_projection = nn.Dense(cfg.tgt_vocab_size)
+
+  def encode(self, src, src_mask, deterministic: bool = True):
+    """src: int32[batch, src_len] -> float32[batch, src_len, d_model]."""
+    return self.encoder(src, src_mask, deterministic)
+
+  def decode(self, encoded, src_mask, tgt_in, tgt_mask=None,
+             deterministic: bool = True, decode: bool = False):
+    """Decoder stack + the final linear layer.
+
+    Args:
+      encoded: [batch, src_len, d_model], from `encode`.
+      src_mask: bool[batch, 1, 1, src_len].
+      tgt_in: int32[batch, tgt_len] (tgt_len = 1 per step in decode mode).
+      tgt_mask: bool[batch, 1, tgt_len, tgt_len]; None in decode mode.
+      deterministic: disables dropout.
+      decode: incremental decoding with the key/value cache.
+
+    Returns:
+      logits: float32[batch, tgt_len, tgt_vocab].
+    """
+    y = self.decoder(tgt_in, encoded, src_mask, tgt_mask, deterministic,
+                     decode)
+    if self.config.tie_output_embedding:
+      logits = self.target_embedding.attend(y)
+    else:
+      logits = self.output_projection(y)
+    # The loss and the search's log_softmax run in float32 whatever the dtype.
+    return logits.astype(jnp.float32)
+
+  def __call__(self, src, tgt_in, src_mask, tgt_mask,
+               deterministic: bool = True):
+    """Teacher-forced forward pass.
+
+    src: int32[batch, src_len]; tgt_in: int32[batch, tgt_len];
+    src_mask: bool[batch, 1, 1, src_len]; tgt_mask: bool[batch, 1, tgt_len,
+    tgt_len]. Returns logits: float32[batch, tgt_len, tgt_vocab].
+    """
+    encoded = self.encode(src, src_mask, deterministic)
+    return self.decode(encoded, src_mask, tgt_in, tgt_mask, deterministic)

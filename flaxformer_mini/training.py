@@ -1,0 +1,78 @@
+"""The pure training and evaluation steps.
+
+`train_step(state, batch, rng, config) -> (state, metrics)` knows nothing of
+devices: jit it for one device; the data-parallel wrappers wrap the same
+function from outside. Metrics are sums with their denominator (`ntokens`), so
+they add up exactly over steps, devices and hosts.
+"""
+
+import flax.training.train_state
+import jax
+import jax.numpy as jnp
+
+from flaxformer_mini import losses
+from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.masks import Batch, causal_mask, padding_mask
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.schedules import learning_rate_schedule, make_optimizer
+
+TrainState = flax.training.train_state.TrainState
+
+
+def init_params(config: TransformerConfig, rng):
+  """Random parameters of Transformer(config); no shape depends on lengths."""
+  ids = jnp.full((1, 1), config.bos_id, jnp.int32)
+  return Transformer(config).init(
+      rng, ids, ids, padding_mask(ids, config.pad_id), causal_mask(1))['params']
+
+
+def create_train_state(config: TransformerConfig, rng) -> TrainState:
+  """Parameters initialised from `rng`, the paper's Adam, step 0."""
+  return TrainState.create(apply_fn=Transformer(config).apply,
+                           params=init_params(config, rng),
+                           tx=make_optimizer(config))
+
+
+def _loss_and_metrics(params, apply_fn, batch: Batch, config: TransformerConfig,
+                      deterministic: bool, dropout_rng=None):
+  logits = apply_fn({'params': params}, batch.src, batch.tgt_in,
+                    batch.src_mask, batch.tgt_mask, deterministic=deterministic,
+                    rngs=None if deterministic else {'dropout': dropout_rng})
+  loss_sum, ntokens = losses.label_smoothed_kl(
+      logits, batch.tgt_out, config.label_smoothing, config.pad_id)
+  metrics = {'loss_sum': loss_sum, 'ntokens': ntokens,
+             'correct': losses.correct_tokens(logits, batch.tgt_out,
+                                              config.pad_id)}
+  return loss_sum, metrics
+
+
+def train_step(state: TrainState, batch: Batch, rng,
+               config: TransformerConfig):
+  """One optimizer update on the mean loss per real target token.
+
+  Args:
+    state: the TrainState (params, optimizer state, step).
+    batch: a Batch of [batch, len] arrays.
+    rng: the run's base PRNG key; the dropout key of this step is derived from
+      it and the step number, so a resumed run draws the same dropout masks.
+    config: static.
+
+  Returns:
+    (new state, metrics): sums `loss_sum`, `ntokens`, `correct`, and the
+    `learning_rate` this update used.
+  """
+  dropout_rng = jax.random.fold_in(rng, state.step)
+  grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
+      state.params, state.apply_fn, batch, config, False, dropout_rng)
+  # Gradient of the summed loss / tokens = gradient of the per-token mean.
+  denominator = jnp.maximum(metrics['ntokens'], 1).astype(jnp.float32)
+  grads = jax.tree.map(lambda g: g / denominator, grads)
+  metrics['learning_rate'] = learning_rate_schedule(config)(state.step)
+  return state.apply_gradients(grads=grads), metrics
+
+
+def eval_step(params, batch: Batch, config: TransformerConfig):
+  """Loss sums on a batch without dropout: -> {loss_sum, ntokens, correct}."""
+  _, metrics = _loss_and_metrics(params, Transformer(config).apply, batch,
+                                 config, True)
+  return metrics

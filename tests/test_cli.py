@@ -1,0 +1,60 @@
+"""train.py's command line: bad input fails fast, in one line; the copy run works."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(*args, cwd=ROOT):
+  return subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *args],
+                        capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.mark.parametrize('args, expected', [
+    (['--task=sing'], ["--task", "'copy'"]),
+    (['--task=copy', '--config=huge'], ['--config', 'toy', 'big']),
+    (['--task=copy', '--wings=2'], ['--wings', 'config field']),
+    (['--task=copy', '--num_heads=3'], ['--num_heads', '[1, 2, 4, 8, 16, 32]']),
+    (['--task=copy', '--dropout_rate=1.5'], ['--dropout_rate', '[0, 1)']),
+    (['--task=copy', '--d_ff=0'], ['--d_ff', 'positive']),
+    (['--task=copy', '--d_model=-8'], ['--d_model', 'positive']),
+    (['--task=copy', '--pre_norm=perhaps'], ['--pre_norm', 'true, false']),
+])
+def test_bad_input_gives_a_one_line_error_naming_the_flag(args, expected):
+  result = _train(*args)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  for text in expected:
+    assert text in lines[0]
+  assert 'Traceback' not in result.stderr
+
+
+def test_help_lists_every_config_field_with_its_default():
+  result = _train('--help')
+  assert result.returncode == 0
+  for text in ('--d_model', 'default 512', 'toy=8', '--pre_norm',
+               '--label_smoothing', '--warmup_steps', '--copy_length'):
+    assert text in result.stdout
+
+
+def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
+  """The default `python train.py --task=copy`, as the README runs it."""
+  result = _train('--task=copy', cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  path = tmp_path / 'runs' / 'copy' / 'results.json'
+  assert str(path.resolve()) in result.stdout
+  results = json.loads(path.read_text())
+  assert results['task'] == 'copy'
+  assert results['exact_match'] == 1.0
+  assert results['eval_sequences'] >= 1000
+  assert results['config']['d_model'] == 32
+  assert results['steps'] <= results['config']['train_steps']
+  assert results['final_loss'] < 0.1
+  assert results['wall_seconds'] > 0
+  assert 'source:' in result.stdout and 'output:' in result.stdout

@@ -1,0 +1,94 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_mini import decoding
+from flaxformer_mini.masks import make_batch, padding_mask, target_mask
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import init_params
+
+
+@pytest.fixture(scope='module')
+def setup(toy_config):
+  cfg = toy_config.replace(d_model=16, num_heads=4, d_ff=32, src_vocab_size=9,
+                           tgt_vocab_size=9)
+  params = init_params(cfg, jax.random.key(7))
+  rng = np.random.default_rng(1)
+  src = rng.integers(3, cfg.src_vocab_size, size=(3, 6))
+  src[2, 3:] = cfg.pad_id
+  return cfg, params, jnp.asarray(src, jnp.int32)
+
+
+def _full_logits(cfg, params, src, tgt_in):
+  return Transformer(cfg).apply(
+      {'params': params}, src, tgt_in, padding_mask(src, cfg.pad_id),
+      target_mask(tgt_in, cfg.pad_id))
+
+
+@pytest.mark.parametrize('pre_norm', [False, True])
+def test_cached_decoding_equals_the_full_forward_pass(setup, pre_norm):
+  cfg, _, src = setup
+  cfg = cfg.replace(pre_norm=pre_norm)
+  params = init_params(cfg, jax.random.key(8))
+  tgt_in = jnp.asarray(np.random.default_rng(2).integers(
+      3, cfg.tgt_vocab_size, size=(3, 7)), jnp.int32).at[:, 0].set(cfg.bos_id)
+  full = _full_logits(cfg, params, src, tgt_in)
+  src_mask = padding_mask(src, cfg.pad_id)
+  encoded = Transformer(cfg).apply({'params': params}, src, src_mask,
+                                   method=Transformer.encode)
+  step = decoding.transformer_tokens_to_logits(params, cfg, encoded, src_mask)
+  cache = decoding.init_cache(cfg, encoded, src_mask, max_len=7)
+  for t in range(7):
+    logits, cache = step(tgt_in[:, t:t + 1], cache)
+    np.testing.assert_allclose(logits, full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_equals_a_naive_loop_over_the_full_model(setup):
+  cfg, params, src = setup
+  max_len = 6
+  ours = np.asarray(decoding.greedy_decode(params, src, cfg, max_len))
+  assert ours.shape == (3, max_len)
+  # Naive greedy: rerun the whole model on the growing prefix, from bos.
+  prefix = jnp.full((3, 1), cfg.bos_id, jnp.int32)
+  for _ in range(max_len):
+    logits = _full_logits(cfg, params, src, prefix)
+    prefix = jnp.concatenate(
+        [prefix, jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)], 1)
+  naive = np.asarray(prefix[:, 1:])
+  for row_ours, row_naive in zip(ours, naive):
+    eos = np.flatnonzero(row_naive == cfg.eos_id)
+    stop = eos[0] + 1 if eos.size else max_len
+    np.testing.assert_array_equal(row_ours[:stop], row_naive[:stop])
+    assert np.all(row_ours[stop:] == cfg.pad_id)
+
+
+def test_greedy_search_stops_each_row_at_eos_and_pads_after():
+  eos, pad, bos = 2, 0, 1
+  # A fake model whose next token is a fixed script per row.
+  script = jnp.array([[5, eos, 6, 7], [5, 6, 7, 8], [eos, 5, 5, 5]])
+
+  def tokens_to_logits(tokens, step):
+    del tokens
+    return jax.nn.one_hot(script[:, step], 10) * 10, step + 1
+
+  out = decoding.greedy_search(tokens_to_logits, jnp.asarray(0), 3, 4, bos,
+                               eos, pad)
+  np.testing.assert_array_equal(
+      out, [[5, eos, pad, pad], [5, 6, 7, 8], [eos, pad, pad, pad]])
+
+
+def test_greedy_decode_compiles_under_jit(setup):
+  cfg, params, src = setup
+  jitted = jax.jit(functools.partial(decoding.greedy_decode, config=cfg,
+                                     max_len=5))
+  np.testing.assert_array_equal(jitted(params, src),
+                                decoding.greedy_decode(params, src, cfg, 5))
+
+
+def test_max_len_beyond_the_position_table_is_refused(setup):
+  cfg, params, src = setup
+  with pytest.raises(ValueError, match='max_len'):
+    decoding.greedy_decode(params, src, cfg, cfg.max_len + 1)

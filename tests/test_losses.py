@@ -1,0 +1,72 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from flaxformer_mini import losses
+
+PAD, VOCAB = 0, 7
+
+
+def _logits_and_labels():
+  logits = jax.random.normal(jax.random.key(0), (2, 4, VOCAB)) * 3
+  labels = jnp.array([[3, 4, 5, PAD], [6, 2, PAD, PAD]])
+  return logits, labels
+
+
+@pytest.mark.parametrize('eps', [0.0, 0.1, 0.4])
+def test_smoothed_target_sums_to_one_and_is_zero_on_pad(eps):
+  _, labels = _logits_and_labels()
+  q = np.asarray(losses.smoothed_targets(labels, VOCAB, eps, PAD))
+  real = np.asarray(labels) != PAD
+  np.testing.assert_allclose(q.sum(-1)[real], 1.0, rtol=1e-6)
+  assert np.all(q[..., PAD] == 0.0)
+  np.testing.assert_allclose(
+      np.take_along_axis(q, np.asarray(labels)[..., None], -1)[..., 0][real],
+      1.0 - eps, rtol=1e-6)
+
+
+@pytest.mark.parametrize('eps', [0.1, 0.4])
+def test_closed_form_equals_kl_to_the_smoothed_target(eps):
+  logits, labels = _logits_and_labels()
+  q = losses.smoothed_targets(labels, VOCAB, eps, PAD)
+  log_p = jax.nn.log_softmax(logits)
+  kl = jnp.sum(jnp.where(q > 0, q * (jnp.log(jnp.where(q > 0, q, 1)) - log_p),
+                         0.0), axis=-1)
+  expected = jnp.sum(jnp.where(labels != PAD, kl, 0.0))
+  loss_sum, ntokens = losses.label_smoothed_kl(logits, labels, eps, PAD)
+  np.testing.assert_allclose(loss_sum, expected, rtol=1e-5)
+  assert int(ntokens) == 5
+
+
+def test_kl_equals_cross_entropy_without_smoothing():
+  logits, labels = _logits_and_labels()
+  loss_sum, ntokens = losses.label_smoothed_kl(logits, labels, 0.0, PAD)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  expected = jnp.sum(jnp.where(labels != PAD, ce, 0.0))
+  np.testing.assert_allclose(loss_sum, expected, rtol=1e-6)
+  assert int(ntokens) == 5
+
+
+def test_pad_positions_contribute_nothing():
+  logits, labels = _logits_and_labels()
+  base, _ = losses.label_smoothed_kl(logits, labels, 0.1, PAD)
+  scrambled = logits.at[0, 3].set(100.0).at[1, 2:].set(-50.0)
+  changed, _ = losses.label_smoothed_kl(scrambled, labels, 0.1, PAD)
+  assert float(changed) == float(base)
+
+
+def test_loss_is_finite_and_zero_at_the_target_distribution():
+  _, labels = _logits_and_labels()
+  q = losses.smoothed_targets(labels, VOCAB, 0.1, PAD)
+  # log q is -inf on pad: the loss must stay finite regardless.
+  loss_sum, _ = losses.label_smoothed_kl(jnp.log(q + 1e-30), labels, 0.1, PAD)
+  assert np.isfinite(float(loss_sum))
+  np.testing.assert_allclose(loss_sum, 0.0, atol=1e-4)
+
+
+def test_correct_tokens_counts_only_real_tokens():
+  labels = jnp.array([[3, 4, PAD]])
+  logits = jax.nn.one_hot(jnp.array([[3, 5, PAD]]), VOCAB)
+  assert int(losses.correct_tokens(logits, labels, PAD)) == 1

@@ -1,0 +1,87 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_mini import experiment, losses
+from flaxformer_mini.config import get_config
+from flaxformer_mini.data import copy_task
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import create_train_state, eval_step, train_step
+
+
+@pytest.fixture(scope='module')
+def small_copy():
+  return get_config('copy').replace(copy_length=6, batch_size=32)
+
+
+def test_gradient_is_that_of_the_mean_loss_per_real_token(small_copy):
+  cfg = small_copy.replace(label_smoothing=0.1)
+  state = create_train_state(cfg, jax.random.key(0))
+  batch = copy_task.train_batch(cfg, 0)
+  batch = batch.replace(tgt_out=batch.tgt_out.at[0, 3:].set(cfg.pad_id))
+
+  def mean_loss(params):
+    logits = Transformer(cfg).apply({'params': params}, batch.src,
+                                    batch.tgt_in, batch.src_mask,
+                                    batch.tgt_mask)
+    total, count = losses.label_smoothed_kl(logits, batch.tgt_out,
+                                            cfg.label_smoothing, cfg.pad_id)
+    return total / count
+
+  expected = jax.grad(mean_loss)(state.params)
+  new_state, metrics = jax.jit(functools.partial(train_step, config=cfg))(
+      state, batch, jax.random.key(1))
+  # After one step Adam's first moment is (1 - beta1) * gradient.
+  first_moment = new_state.opt_state[0].mu
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 0.1 * b, rtol=1e-4,
+                                                       atol=1e-7),
+               first_moment, expected)
+  assert int(metrics['ntokens']) == int(jnp.sum(batch.tgt_out != cfg.pad_id))
+  assert int(new_state.step) == 1
+
+
+def test_dropout_follows_the_rng_and_the_step(small_copy):
+  cfg = small_copy.replace(dropout_rate=0.3)
+  step = jax.jit(functools.partial(train_step, config=cfg))
+  batch = copy_task.train_batch(cfg, 0)
+  state = create_train_state(cfg, jax.random.key(0))
+  a, _ = step(state, batch, jax.random.key(1))
+  b, _ = step(state, batch, jax.random.key(1))
+  c, _ = step(state, batch, jax.random.key(2))
+  same = jax.tree.map(np.array_equal, a.params, b.params)
+  assert all(jax.tree.leaves(same))
+  assert not np.allclose(a.params['shared_embedding']['embed']['embedding'],
+                         c.params['shared_embedding']['embed']['embedding'])
+
+
+def test_eval_step_reports_sums(small_copy):
+  state = create_train_state(small_copy, jax.random.key(0))
+  batch = copy_task.train_batch(small_copy, 0)
+  metrics = eval_step(state.params, batch, small_copy)
+  assert int(metrics['ntokens']) == batch.tgt_out.size
+  assert 0 <= int(metrics['correct']) <= batch.tgt_out.size
+  assert float(metrics['loss_sum']) > 0
+
+
+@pytest.mark.parametrize('pre_norm, tied', [(False, True), (True, True),
+                                            (False, False), (True, False)])
+def test_every_variant_learns_the_copy_task(small_copy, pre_norm, tied):
+  cfg = small_copy.replace(pre_norm=pre_norm, share_embeddings=tied,
+                           tie_output_embedding=tied, train_steps=1500,
+                           log_every=100)
+  init_rng, dropout_rng = jax.random.split(jax.random.key(cfg.seed))
+  decode_fn = jax.jit(functools.partial(
+      experiment.decoding.greedy_decode, config=cfg,
+      max_len=cfg.copy_length + 1))
+  draws = iter(range(1, 100))
+  state, history = experiment.train(
+      cfg, create_train_state(cfg, init_rng), dropout_rng,
+      functools.partial(copy_task.train_batch, cfg),
+      lambda s: experiment.copy_exact_match(s.params, cfg, decode_fn,
+                                            next(draws))[0] == 1.0)
+  assert history[-1]['loss'] < history[0]['loss'] / 10
+  match, _, _ = experiment.copy_exact_match(state.params, cfg, decode_fn, 0)
+  assert match >= 0.98, (pre_norm, tied, int(state.step), match)

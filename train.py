@@ -1,0 +1,85 @@
+"""The command line: flags -> config -> a run.
+
+  python train.py --task=copy                      # the copy task, copy preset
+  python train.py --task=copy --d_model=32 --pre_norm=true
+  python train.py --help                           # every config field
+
+Bad flags end in a one-line error that names the flag and what is allowed,
+before JAX compiles anything.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+_START = time.perf_counter()
+
+from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not-at-top
+
+TASKS = {'copy': 'copy'}  # task -> its default preset
+
+
+class OneLineParser(argparse.ArgumentParser):
+  """argparse, but an error is one line naming the flag (no usage block)."""
+
+  def error(self, message):
+    self.exit(2, f'{self.prog}: error: {message}\n')
+
+
+def _field_help(field: dataclasses.Field) -> str:
+  presets = {name: getattr(make(), field.name)
+             for name, make in config_lib.PRESETS.items()}
+  differing = ', '.join(f'{name}={value}' for name, value in presets.items()
+                        if value != field.default)
+  return f'default {field.default}' + (f' ({differing})' if differing else '')
+
+
+def build_parser() -> OneLineParser:
+  parser = OneLineParser(
+      prog='train.py', description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--task', choices=sorted(TASKS), required=True,
+                      help='what to train.')
+  parser.add_argument('--config', choices=list(config_lib.PRESETS),
+                      help='the preset to start from (default: the task\'s '
+                      'own, e.g. copy for --task=copy).')
+  parser.add_argument('--workdir', help='where results.json goes '
+                      '(default: runs/<task>).')
+  fields = parser.add_argument_group(
+      'config fields', 'override any field of the preset; defaults are the '
+      'dataclass defaults, with the presets that differ in parentheses.')
+  for field in dataclasses.fields(config_lib.TransformerConfig):
+    fields.add_argument(f'--{field.name}', default=argparse.SUPPRESS,
+                        metavar=field.type.__name__, help=_field_help(field))
+  return parser
+
+
+def parse(argv: list[str]):
+  """argv -> (args, config); exits with a one-line error on bad input."""
+  parser = build_parser()
+  args, unknown = parser.parse_known_args(argv)
+  if unknown:
+    flag = unknown[0].split('=')[0]
+    parser.error(f'{flag}: unknown flag; allowed: --task, --config, '
+                 '--workdir, or a config field (see --help).')
+  field_names = {f.name for f in dataclasses.fields(config_lib.TransformerConfig)}
+  overrides = {k: v for k, v in vars(args).items() if k in field_names}
+  try:
+    config = config_lib.override(
+        config_lib.get_config(args.config or TASKS[args.task]), overrides)
+  except config_lib.ConfigError as e:
+    parser.error(str(e))
+  return args, config
+
+
+def main(argv: list[str]) -> None:
+  args, config = parse(argv)
+  from flaxformer_mini import experiment  # pylint: disable=g-import-not-at-top
+  workdir = args.workdir or os.path.join('runs', args.task)
+  experiment.run_copy_task(config, workdir, _START)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
