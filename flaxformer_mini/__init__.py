@@ -10,14 +10,17 @@ decoding, data/, experiment (the training loop).
 """
 
 from flaxformer_mini.config import ConfigError, TransformerConfig, get_config
-from flaxformer_mini.decoding import greedy_decode, greedy_search
+from flaxformer_mini.decoding import (BeamSearchResult, beam_decode,
+                                      beam_search, greedy_decode,
+                                      greedy_search)
 from flaxformer_mini.masks import Batch, make_batch
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import (TrainState, create_train_state,
                                       eval_step, init_params, train_step)
 
 __all__ = [
-    'Batch', 'ConfigError', 'TrainState', 'Transformer', 'TransformerConfig',
-    'create_train_state', 'eval_step', 'get_config', 'greedy_decode',
-    'greedy_search', 'init_params', 'make_batch', 'train_step',
+    'Batch', 'BeamSearchResult', 'ConfigError', 'TrainState', 'Transformer',
+    'TransformerConfig', 'beam_decode', 'beam_search', 'create_train_state',
+    'eval_step', 'get_config', 'greedy_decode', 'greedy_search', 'init_params',
+    'make_batch', 'train_step',
 ]

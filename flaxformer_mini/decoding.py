@@ -6,10 +6,14 @@ inside the model. The Transformer entry points below build that function from
 params: the encoder runs once, then the decoder runs one token per step with
 its key/value cache. Everything is a jax.lax loop, so the whole search runs on
 the device and can be jitted, vmapped or sharded by the caller.
+
+Neither search ever emits pad (the filler after eos) or bos (it only starts a
+sequence); scores stay the model's own log-probabilities.
 """
 
 from typing import Any, Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +22,11 @@ from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 
 TokensToLogits = Callable[[jnp.ndarray, Any], tuple[jnp.ndarray, Any]]
+
+
+def _forbid(scores, token_ids):
+  """Sets scores[..., id] = -inf for each id: [..., vocab] -> [..., vocab]."""
+  return scores.at[..., jnp.asarray(token_ids)].set(-jnp.inf)
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
@@ -50,6 +59,7 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
     step, tokens, cache, finished = state
     last = jax.lax.dynamic_slice_in_dim(tokens, step, 1, axis=1)  # [batch, 1]
     logits, cache = tokens_to_logits(last, cache)  # [batch, vocab]
+    logits = _forbid(logits.astype(jnp.float32), [pad_id, bos_id])
     next_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
     next_token = jnp.where(finished, pad_id, next_token)
     tokens = jax.lax.dynamic_update_slice(tokens, next_token[:, None],
@@ -59,6 +69,193 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
   _, tokens, _, _ = jax.lax.while_loop(
       not_done, one_token, (jnp.asarray(0), tokens, cache, finished))
   return tokens[:, 1:]
+
+
+@flax.struct.dataclass
+class BeamSearchResult:
+  """The n best hypotheses of each batch item, best first.
+
+  Attributes:
+    sequences: int32[batch, n_best, max_len], tokens, eos if reached, then pad.
+    scores: float32[batch, n_best], log p(sequence) / length_penalty(length).
+    lengths: int32[batch, n_best], generated tokens, eos included.
+    reached_eos: bool[batch, n_best]; False for a hypothesis that was cut at
+      max_len without eos (scored the same way, with length max_len).
+  """
+  sequences: jnp.ndarray
+  scores: jnp.ndarray
+  lengths: jnp.ndarray
+  reached_eos: jnp.ndarray
+
+
+def length_penalty(length, alpha: float):
+  """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha; a hypothesis scores log p / lp."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0)**alpha
+
+
+def expand_to_beams(x, beam_size: int):
+  """[batch, ...] -> [batch * beam, ...], each item repeated beam_size times."""
+  return jnp.repeat(x, beam_size, axis=0)
+
+
+def _gather_beams(x, beam_indices):
+  """x: [batch, beams, ...], beam_indices: int32[batch, k] -> [batch, k, ...]."""
+  return jax.vmap(lambda row, indices: row[indices])(x, beam_indices)
+
+
+def _gather_cache(cache, beam_indices, batch_size: int):
+  """Reorders every [batch * beams, ...] cache leaf to follow beam_indices.
+
+  beam_indices: int32[batch, beams]. Scalar leaves (the position counters) are
+  shared by all beams and stay as they are.
+  """
+  def gather(leaf):
+    if leaf.ndim == 0:
+      return leaf
+    beams = leaf.reshape((batch_size, -1) + leaf.shape[1:])
+    return _gather_beams(beams, beam_indices).reshape(leaf.shape)
+  return jax.tree.map(gather, cache)
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
+                beam_size: int, max_len: int, alpha: float, bos_id: int,
+                eos_id: int, pad_id: int, n_best: int = 1) -> BeamSearchResult:
+  """Beam search with a live and a finished pool, all in one lax.while_loop.
+
+  Each step extends every live hypothesis by every token and keeps the top
+  2 * beam_size candidates, so that hypotheses ending in eos never starve the
+  live pool: the best beam_size candidates without eos stay live, and the eos
+  candidates among the best beam_size enter the finished pool with score
+  log p / length_penalty(length). On the last step the live hypotheses enter
+  the finished pool too, flagged `reached_eos=False`, with the same scoring.
+  The search stops early once no live hypothesis can still beat the worst
+  finished one (see `_cannot_improve`).
+
+  Args:
+    tokens_to_logits: (int32[batch * beam, 1] last tokens, cache) ->
+      (float[batch * beam, vocab] logits, new cache). log_softmax runs in
+      float32 here whatever the model's dtype.
+    cache: the decoder state for [batch, ...]; expanded over beams here
+      (scalar leaves are shared by all beams).
+    batch_size: number of batch items.
+    beam_size: hypotheses kept per item.
+    max_len: generated positions at most.
+    alpha: length-penalty exponent (0 = raw log-probabilities).
+    bos_id, eos_id, pad_id: first input token, end token, filler after eos.
+    n_best: how many finished hypotheses to return per item (<= beam_size).
+
+  Returns:
+    A BeamSearchResult with [batch, n_best, ...] fields, best first.
+  """
+  if not 1 <= n_best <= beam_size:
+    raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
+  batch, beams = batch_size, beam_size
+  cache = jax.tree.map(
+      lambda x: x if x.ndim == 0 else expand_to_beams(x, beams), cache)
+  # Column 0 holds bos; step i reads column i and writes column i + 1.
+  sequences = jnp.full((batch, beams, max_len + 1), pad_id, jnp.int32)
+  sequences = sequences.at[:, :, 0].set(bos_id)
+  # Only beam 0 is alive at first, so the first step does not pick the same
+  # token in every beam.
+  live_log_probs = jnp.tile(
+      jnp.array([0.0] + [-jnp.inf] * (beams - 1), jnp.float32), (batch, 1))
+  state = dict(
+      step=jnp.asarray(0, jnp.int32),
+      live_sequences=sequences,                          # [batch, beams, max_len + 1]
+      live_log_probs=live_log_probs,                     # [batch, beams]
+      cache=cache,                                       # [batch * beams, ...]
+      finished_sequences=sequences,                      # [batch, beams, max_len + 1]
+      finished_scores=jnp.full((batch, beams), -jnp.inf),  # -inf: empty slot
+      finished_lengths=jnp.zeros((batch, beams), jnp.int32),
+      finished_eos=jnp.zeros((batch, beams), bool),
+      done=jnp.zeros((batch,), bool))
+
+  def keep_going(state):
+    return (state['step'] < max_len) & ~jnp.all(state['done'])
+
+  def one_step(state):
+    step = state['step']
+    length = step + 1  # generated tokens after this step, eos included
+    last = jax.lax.dynamic_slice_in_dim(state['live_sequences'], step, 1,
+                                        axis=2)  # [batch, beams, 1]
+    logits, cache = tokens_to_logits(last.reshape(batch * beams, 1),
+                                     state['cache'])  # [batch * beams, vocab]
+    vocab = logits.shape[-1]
+    log_probs = _forbid(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                        [pad_id, bos_id])
+    candidates = (state['live_log_probs'][:, :, None] +
+                  log_probs.reshape(batch, beams, vocab))  # [batch, beams, vocab]
+    top_log_probs, top_indices = jax.lax.top_k(
+        candidates.reshape(batch, beams * vocab), 2 * beams)  # [batch, 2 * beams]
+    top_beams = top_indices // vocab
+    top_tokens = (top_indices % vocab).astype(jnp.int32)
+    top_sequences = jax.lax.dynamic_update_slice(
+        _gather_beams(state['live_sequences'], top_beams),
+        top_tokens[:, :, None], (0, 0, step + 1))  # [batch, 2 * beams, max_len + 1]
+    is_eos = top_tokens == eos_id
+
+    # The live pool: the best `beams` candidates that did not just end.
+    live_log_probs, live_picks = jax.lax.top_k(
+        jnp.where(is_eos, -jnp.inf, top_log_probs), beams)  # [batch, beams]
+    live_sequences = _gather_beams(top_sequences, live_picks)
+    cache = _gather_cache(cache, _gather_beams(top_beams, live_picks), batch)
+
+    # The finished pool: its old members, the eos candidates that made the
+    # top `beams`, and on the last step every live hypothesis (no eos).
+    made_beam = jnp.arange(2 * beams) < beams
+    eos_scores = jnp.where(is_eos & made_beam, top_log_probs, -jnp.inf
+                          ) / length_penalty(length, alpha)
+    last_step = length == max_len
+    cut_scores = jnp.where(last_step, live_log_probs, -jnp.inf
+                          ) / length_penalty(length, alpha)
+    pool_scores = jnp.concatenate(
+        [state['finished_scores'], eos_scores, cut_scores], axis=1)  # [batch, 4 * beams]
+    pool_sequences = jnp.concatenate(
+        [state['finished_sequences'], top_sequences, live_sequences], axis=1)
+    pool_lengths = jnp.concatenate(
+        [state['finished_lengths'],
+         jnp.full((batch, 3 * beams), length, jnp.int32)], axis=1)
+    pool_eos = jnp.concatenate(
+        [state['finished_eos'], jnp.ones((batch, 2 * beams), bool),
+         jnp.zeros((batch, beams), bool)], axis=1)
+    finished_scores, finished_picks = jax.lax.top_k(pool_scores, beams)
+    done = _cannot_improve(live_log_probs[:, 0], finished_scores[:, -1],
+                           length, max_len, alpha)
+    return dict(
+        step=step + 1,
+        live_sequences=live_sequences,
+        live_log_probs=live_log_probs,
+        cache=cache,
+        finished_sequences=_gather_beams(pool_sequences, finished_picks),
+        finished_scores=finished_scores,
+        finished_lengths=_gather_beams(pool_lengths, finished_picks),
+        finished_eos=_gather_beams(pool_eos, finished_picks),
+        done=done)
+
+  state = jax.lax.while_loop(keep_going, one_step, state)
+  return BeamSearchResult(
+      sequences=state['finished_sequences'][:, :n_best, 1:],
+      scores=state['finished_scores'][:, :n_best],
+      lengths=state['finished_lengths'][:, :n_best],
+      reached_eos=state['finished_eos'][:, :n_best])
+
+
+def _cannot_improve(best_live_log_prob, worst_finished_score, length,
+                    max_len: int, alpha: float):
+  """True where no live hypothesis can still beat the worst finished one.
+
+  A live hypothesis of log-probability x <= 0 can only lose probability, and
+  will end with some length L in [length + 1, max_len]. Its best possible score
+  is max_L x / lp(L) = x / max_L lp(L), and lp is monotonic in L, so the max is
+  at one of the two ends: L = max_len for alpha >= 0, L = length + 1 for
+  alpha < 0. With an empty finished slot (score -inf) this is False unless no
+  live hypothesis is left either.
+
+  best_live_log_prob, worst_finished_score: float32[batch] -> bool[batch].
+  """
+  largest_penalty = jnp.maximum(length_penalty(length + 1, alpha),
+                                length_penalty(max_len, alpha))
+  return worst_finished_score >= best_live_log_prob / largest_penalty
 
 
 def init_cache(config: TransformerConfig, encoded, src_mask, max_len: int):
@@ -120,3 +317,44 @@ def greedy_decode(params, src, config: TransformerConfig, max_len: int):
       transformer_tokens_to_logits(params, config, encoded, src_mask),
       init_cache(config, encoded, src_mask, max_len), src.shape[0], max_len,
       config.bos_id, config.eos_id, config.pad_id)
+
+
+def default_max_len(config: TransformerConfig, src_len: int) -> int:
+  """The paper's limit, input length + 50, within the positional table."""
+  return min(src_len + 50, config.max_len)
+
+
+def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
+                alpha: float = 0.6, max_len: int | None = None,
+                n_best: int = 1) -> BeamSearchResult:
+  """Beam search translation of a batch with Transformer(config) and `params`.
+
+  The encoder runs once; its output is expanded over the beams, and the
+  decoder runs one token per step with its key/value cache, reordered with
+  the surviving beams. The paper's settings are the defaults: beam 4,
+  alpha 0.6, max_len = source length + 50.
+
+  Args:
+    params: the model parameters.
+    src: int32[batch, src_len], pad-filled source ids.
+    config: the model's config.
+    beam_size, alpha, max_len, n_best: see `beam_search`.
+    Under jax.jit, config, beam_size, alpha, max_len and n_best are static.
+
+  Returns:
+    BeamSearchResult: sequences int32[batch, n_best, max_len], scores,
+    lengths and reached_eos [batch, n_best].
+  """
+  max_len = default_max_len(config, src.shape[1]) if max_len is None else max_len
+  check_max_len(config, max_len)
+  src_mask = padding_mask(src, config.pad_id)
+  encoded = Transformer(config).apply({'params': params}, src, src_mask,
+                                      method=Transformer.encode)
+  tokens_to_logits = transformer_tokens_to_logits(
+      params, config, expand_to_beams(encoded, beam_size),
+      expand_to_beams(src_mask, beam_size))
+  return beam_search(
+      tokens_to_logits, init_cache(config, encoded, src_mask, max_len),
+      batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
+      alpha=alpha, bos_id=config.bos_id, eos_id=config.eos_id,
+      pad_id=config.pad_id, n_best=n_best)

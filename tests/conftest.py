@@ -1,12 +1,16 @@
 """Shared fixtures: the walkthrough's toy model and a batch of two pairs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from flaxformer_mini import decoding, experiment
 from flaxformer_mini.config import get_config
+from flaxformer_mini.data import copy_task
 from flaxformer_mini.masks import make_batch
-from flaxformer_mini.training import init_params
+from flaxformer_mini.training import create_train_state, init_params
 
 
 @pytest.fixture(scope='session')
@@ -26,3 +30,33 @@ def toy_batch(toy_config):
 @pytest.fixture(scope='session')
 def toy_params(toy_config):
   return init_params(toy_config, jax.random.key(0))
+
+
+def _train_copy_model(cfg):
+  """Trains on the copy task until a fresh draw is copied exactly.
+
+  Returns (state, history, greedy decode_fn(params, sources)).
+  """
+  init_rng, dropout_rng = jax.random.split(jax.random.key(cfg.seed))
+  decode_fn = jax.jit(functools.partial(
+      decoding.greedy_decode, config=cfg, max_len=cfg.copy_length + 1))
+  draws = iter(range(1, 1000))
+  state, history = experiment.train(
+      cfg, create_train_state(cfg, init_rng), dropout_rng,
+      functools.partial(copy_task.train_batch, cfg),
+      lambda s: experiment.copy_exact_match(s.params, cfg, decode_fn,
+                                            next(draws))[0] == 1.0)
+  return state, history, decode_fn
+
+
+@pytest.fixture(scope='session')
+def small_copy_config():
+  """The copy preset on shorter sequences: trains in a few seconds."""
+  return get_config('copy').replace(copy_length=6, batch_size=32,
+                                    train_steps=1500, log_every=100)
+
+
+@pytest.fixture(scope='session')
+def train_copy_model():
+  """The function cfg -> (state, history, greedy decode_fn)."""
+  return _train_copy_model

@@ -55,6 +55,7 @@ def test_greedy_equals_a_naive_loop_over_the_full_model(setup):
   prefix = jnp.full((3, 1), cfg.bos_id, jnp.int32)
   for _ in range(max_len):
     logits = _full_logits(cfg, params, src, prefix)
+    logits = logits.at[..., jnp.array([cfg.pad_id, cfg.bos_id])].set(-jnp.inf)
     prefix = jnp.concatenate(
         [prefix, jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)], 1)
   naive = np.asarray(prefix[:, 1:])

@@ -6,15 +6,14 @@ import numpy as np
 import pytest
 
 from flaxformer_mini import experiment, losses
-from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import create_train_state, eval_step, train_step
 
 
 @pytest.fixture(scope='module')
-def small_copy():
-  return get_config('copy').replace(copy_length=6, batch_size=32)
+def small_copy(small_copy_config):
+  return small_copy_config
 
 
 def test_gradient_is_that_of_the_mean_loss_per_real_token(small_copy):
@@ -68,20 +67,11 @@ def test_eval_step_reports_sums(small_copy):
 
 @pytest.mark.parametrize('pre_norm, tied', [(False, True), (True, True),
                                             (False, False), (True, False)])
-def test_every_variant_learns_the_copy_task(small_copy, pre_norm, tied):
+def test_every_variant_learns_the_copy_task(small_copy, train_copy_model,
+                                           pre_norm, tied):
   cfg = small_copy.replace(pre_norm=pre_norm, share_embeddings=tied,
-                           tie_output_embedding=tied, train_steps=1500,
-                           log_every=100)
-  init_rng, dropout_rng = jax.random.split(jax.random.key(cfg.seed))
-  decode_fn = jax.jit(functools.partial(
-      experiment.decoding.greedy_decode, config=cfg,
-      max_len=cfg.copy_length + 1))
-  draws = iter(range(1, 100))
-  state, history = experiment.train(
-      cfg, create_train_state(cfg, init_rng), dropout_rng,
-      functools.partial(copy_task.train_batch, cfg),
-      lambda s: experiment.copy_exact_match(s.params, cfg, decode_fn,
-                                            next(draws))[0] == 1.0)
+                           tie_output_embedding=tied)
+  state, history, decode_fn = train_copy_model(cfg)
   assert history[-1]['loss'] < history[0]['loss'] / 10
   match, _, _ = experiment.copy_exact_match(state.params, cfg, decode_fn, 0)
   assert match >= 0.98, (pre_norm, tied, int(state.step), match)

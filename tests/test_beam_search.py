@@ -1,0 +1,232 @@
+import functools
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_mini import decoding
+from flaxformer_mini.data import copy_task
+from flaxformer_mini.masks import padding_mask, target_mask
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def model(toy_config):
+  cfg = toy_config.replace(d_model=16, num_heads=4, d_ff=32, src_vocab_size=9,
+                           tgt_vocab_size=9)
+  params = init_params(cfg, jax.random.key(11))
+  rng = np.random.default_rng(4)
+  src = rng.integers(3, cfg.src_vocab_size, size=(4, 5))
+  src[3, 2:] = cfg.pad_id
+  return cfg, params, jnp.asarray(src, jnp.int32)
+
+
+def test_beam_size_one_is_greedy(model):
+  cfg, params, src = model
+  greedy = decoding.greedy_decode(params, src, cfg, max_len=10)
+  beam = decoding.beam_decode(params, src, cfg, beam_size=1, alpha=0.0,
+                              max_len=10)
+  assert beam.sequences.shape == (4, 1, 10)
+  np.testing.assert_array_equal(beam.sequences[:, 0], greedy)
+
+
+def test_hypotheses_end_at_eos_are_padded_after_it_and_respect_max_len(model):
+  cfg, params, src = model
+  result = decoding.beam_decode(params, src, cfg, beam_size=4, alpha=0.6,
+                                max_len=7, n_best=4)
+  assert result.sequences.shape == (4, 4, 7)
+  sequences = np.asarray(result.sequences)
+  lengths = np.asarray(result.lengths)
+  reached_eos = np.asarray(result.reached_eos)
+  scores = np.asarray(result.scores)
+  assert np.all(np.diff(scores, axis=1) <= 0)  # best first
+  for b, k in itertools.product(range(4), range(4)):
+    row, length = sequences[b, k], lengths[b, k]
+    assert 1 <= length <= 7
+    assert np.all(row[length:] == cfg.pad_id)  # never extended after eos
+    assert cfg.eos_id not in row[:length - 1]
+    assert cfg.pad_id not in row[:length] and cfg.bos_id not in row[:length]
+    assert (row[length - 1] == cfg.eos_id) == reached_eos[b, k]
+    if not reached_eos[b, k]:
+      assert length == 7
+
+
+def _score_exhaustively(cfg, params, src, max_len, alpha):
+  """Every output sequence of one source, scored by the full model.
+
+  Sequences are eos-terminated of length <= max_len, or of length max_len
+  without eos; tokens are anything but pad and bos. Returns [(score, tokens)].
+  """
+  ordinary = [t for t in range(cfg.tgt_vocab_size)
+              if t not in (cfg.pad_id, cfg.bos_id, cfg.eos_id)]
+  candidates = []
+  for length in range(1, max_len + 1):
+    for body in itertools.product(ordinary, repeat=length - 1):
+      candidates.append(body + (cfg.eos_id,))
+      if length == max_len:
+        candidates.extend(body + (t,) for t in ordinary)
+  tgt_in = np.full((len(candidates), max_len), cfg.pad_id)
+  tgt_out = np.full((len(candidates), max_len), cfg.pad_id)
+  for i, tokens in enumerate(candidates):
+    tgt_in[i, :len(tokens)] = (cfg.bos_id,) + tokens[:-1]
+    tgt_out[i, :len(tokens)] = tokens
+  srcs = jnp.repeat(src[None], len(candidates), axis=0)
+  logits = Transformer(cfg).apply(
+      {'params': params}, srcs, jnp.asarray(tgt_in),
+      padding_mask(srcs, cfg.pad_id), target_mask(jnp.asarray(tgt_in),
+                                                   cfg.pad_id))
+  log_probs = np.asarray(jax.nn.log_softmax(logits))
+  token_log_probs = np.take_along_axis(log_probs, tgt_out[..., None], -1)[..., 0]
+  totals = np.sum(np.where(tgt_out != cfg.pad_id, token_log_probs, 0.0), -1)
+  lengths = np.array([len(tokens) for tokens in candidates])
+  scores = totals / ((5.0 + lengths) / 6.0)**alpha
+  return sorted(zip(scores, candidates), key=lambda pair: -pair[0])
+
+
+@pytest.mark.parametrize('alpha', [-0.5, 0.0, 0.6, 2.0])
+def test_enough_beams_find_the_exhaustive_best(toy_config, alpha):
+  # 4 ordinary tokens + eos, 3 positions: 85 candidate sequences per source.
+  cfg = toy_config.replace(src_vocab_size=7, tgt_vocab_size=7)
+  params = init_params(cfg, jax.random.key(5))
+  src = jnp.array([[3, 4, 5], [6, 5, cfg.pad_id]], jnp.int32)
+  max_len, n_best = 3, 5
+  # 16 live prefixes x 5 tokens = 80 candidates: 80 beams see them all.
+  wide = decoding.beam_decode(params, src, cfg, beam_size=80, alpha=alpha,
+                              max_len=max_len, n_best=n_best)
+  narrow = decoding.beam_decode(params, src, cfg, beam_size=2, alpha=alpha,
+                                max_len=max_len)
+  for b in range(2):
+    truth = _score_exhaustively(cfg, params, src[b], max_len, alpha)
+    for k in range(n_best):
+      score, tokens = truth[k]
+      np.testing.assert_allclose(wide.scores[b, k], score, rtol=1e-4)
+      length = int(wide.lengths[b, k])
+      assert tuple(np.asarray(wide.sequences[b, k, :length])) == tokens
+    assert float(narrow.scores[b, 0]) <= truth[0][0] + 1e-5
+
+
+def _markov_search(alpha, beam_size, max_len=4):
+  """A hand-made Markov chain over pad, bos, eos, a, b (as in T5X's tests).
+
+  From bos: eos 0.45, a 0.5, b 0.05. From a: eos 0.7, a 0.2, b 0.1.
+  From b: eos 0.1, a 0.1, b 0.8. Best sequences:
+    alpha = 0: [eos] (log 0.45 = -0.80) beats [a, eos] (log 0.35 = -1.05);
+    alpha = 2: [a, eos] scores -1.05 / (7/6)^2 = -0.77, beating [eos] at
+    -0.80 / 1 and everything longer.
+  """
+  pad, bos, eos, a, b = range(5)
+  probs = np.zeros((5, 5))
+  probs[bos, [eos, a, b]] = [0.45, 0.5, 0.05]
+  probs[a, [eos, a, b]] = [0.7, 0.2, 0.1]
+  probs[b, [eos, a, b]] = [0.1, 0.1, 0.8]
+  with np.errstate(divide='ignore'):
+    transition_logits = jnp.asarray(np.log(probs), jnp.float32)
+
+  def tokens_to_logits(tokens, cache):
+    return transition_logits[tokens[:, 0]], cache
+
+  return decoding.beam_search(
+      tokens_to_logits, jnp.zeros((1,)), batch_size=1, beam_size=beam_size,
+      max_len=max_len, alpha=alpha, bos_id=bos, eos_id=eos, pad_id=pad)
+
+
+@pytest.mark.parametrize('beam_size', [2, 4])
+def test_markov_chain_best_sequence_depends_on_alpha_as_computed(beam_size):
+  short = _markov_search(alpha=0.0, beam_size=beam_size)
+  np.testing.assert_array_equal(short.sequences[0, 0], [2, 0, 0, 0])
+  np.testing.assert_allclose(short.scores[0, 0], np.log(0.45), rtol=1e-6)
+  long = _markov_search(alpha=2.0, beam_size=beam_size)
+  np.testing.assert_array_equal(long.sequences[0, 0], [3, 2, 0, 0])
+  np.testing.assert_allclose(long.scores[0, 0],
+                             np.log(0.35) / (7 / 6)**2, rtol=1e-6)
+  assert bool(long.reached_eos[0, 0]) and int(long.lengths[0, 0]) == 2
+
+
+def test_a_copy_model_copies_with_beam_four(small_copy_config,
+                                            train_copy_model):
+  cfg = small_copy_config
+  state, _, _ = train_copy_model(cfg)
+  sources = copy_task.eval_sequences(cfg, 256, 0)
+  result = jax.jit(functools.partial(decoding.beam_decode, config=cfg,
+                                     beam_size=4, alpha=0.6,
+                                     max_len=cfg.copy_length + 1))(
+                                         state.params, sources)
+  assert copy_task.exact_match(np.asarray(result.sequences[:, 0]), sources,
+                               cfg) == 1.0
+
+
+def test_jitted_user_code_compiles_once_and_runs_under_vmap(model):
+  cfg, params, src = model
+  traces = []
+
+  @jax.jit
+  def best_translation(params, src):
+    traces.append(1)  # runs only while tracing
+    return decoding.beam_decode(params, src, cfg, beam_size=3,
+                                max_len=6).sequences[:, 0]
+
+  first = best_translation(params, src)
+  second = best_translation(params, src[::-1])
+  assert len(traces) == 1
+  np.testing.assert_array_equal(second, first[::-1])
+
+  groups = jnp.stack([src, src[::-1]])  # [2, batch, src_len]
+  batched = jax.vmap(lambda s: decoding.beam_decode(
+      params, s, cfg, beam_size=3, max_len=6).sequences[:, 0])(groups)
+  np.testing.assert_array_equal(batched[0], first)
+  np.testing.assert_array_equal(batched[1], second)
+
+
+_SHARDED_SCRIPT = textwrap.dedent('''
+    import functools, json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from flaxformer_mini import decoding
+    from flaxformer_mini.config import get_config
+    from flaxformer_mini.training import init_params
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = get_config('toy').replace(d_model=16, num_heads=4, d_ff=32)
+    params = init_params(cfg, jax.random.key(0))
+    src = jnp.asarray(np.random.default_rng(0).integers(3, 11, (16, 5)),
+                      jnp.int32)
+    decode = functools.partial(decoding.beam_decode, config=cfg, beam_size=4,
+                               max_len=8, n_best=2)
+    first = jax.devices()[0]
+    one = jax.jit(decode)(jax.device_put(params, first),
+                          jax.device_put(src, first))
+    mesh = Mesh(np.array(jax.devices()), ('data',))
+    sharded_src = jax.device_put(src, NamedSharding(mesh, P('data')))
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    eight = jax.jit(decode)(replicated, sharded_src)
+    assert len(eight.sequences.sharding.device_set) == 8
+    print(json.dumps({
+        'same_sequences': bool(np.array_equal(np.asarray(one.sequences),
+                                              np.asarray(eight.sequences))),
+        'score_gap': float(np.max(np.abs(np.asarray(one.scores) -
+                                         np.asarray(eight.scores)))),
+    }))
+''')
+
+
+def test_a_batch_sharded_over_eight_devices_decodes_as_on_one():
+  env = dict(os.environ,
+             XLA_FLAGS='--xla_force_host_platform_device_count=8',
+             JAX_PLATFORMS='cpu')
+  result = subprocess.run([sys.executable, '-c', _SHARDED_SCRIPT],
+                          capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report['same_sequences']
+  assert report['score_gap'] < 1e-5
