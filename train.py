@@ -47,6 +47,16 @@ def build_parser() -> OneLineParser:
                       'own, e.g. copy for --task=copy).')
   parser.add_argument('--workdir', help='where results.json goes '
                       '(default: runs/<task>).')
+  hosts = parser.add_argument_group(
+      'multi-host', 'start one process per host; on Cloud TPU pods and '
+      'SLURM / Kubernetes GPU clusters --multihost alone finds the others.')
+  hosts.add_argument('--multihost', action='store_true',
+                     help='join JAX\'s multi-controller runtime.')
+  hosts.add_argument('--coordinator_address',
+                     help='host:port of process 0 (implies --multihost).')
+  hosts.add_argument('--num_processes', type=int,
+                     help='how many processes in all.')
+  hosts.add_argument('--process_id', type=int, help='this process\'s index.')
   fields = parser.add_argument_group(
       'config fields', 'override any field of the preset; defaults are the '
       'dataclass defaults, with the presets that differ in parentheses.')
@@ -63,7 +73,8 @@ def parse(argv: list[str]):
   if unknown:
     flag = unknown[0].split('=')[0]
     parser.error(f'{flag}: unknown flag; allowed: --task, --config, '
-                 '--workdir, or a config field (see --help).')
+                 '--workdir, the multi-host flags, or a config field (see '
+                 '--help).')
   field_names = {f.name for f in dataclasses.fields(config_lib.TransformerConfig)}
   overrides = {k: v for k, v in vars(args).items() if k in field_names}
   try:
@@ -76,7 +87,15 @@ def parse(argv: list[str]):
 
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
-  from flaxformer_mini import experiment  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import experiment, parallel
+  if args.multihost or args.coordinator_address:
+    parallel.initialize_multihost(args.coordinator_address, args.num_processes,
+                                  args.process_id)
+  try:
+    parallel.check_divisible(config.batch_size)
+  except ValueError as e:
+    build_parser().error(str(e))
   workdir = args.workdir or os.path.join('runs', args.task)
   experiment.run_copy_task(config, workdir, _START)
 

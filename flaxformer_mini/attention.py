@@ -92,10 +92,14 @@ class MultiHeadAttention(nn.Module):
       [batch, q_len, d_model].
     """
     cfg = self.config
-    # W^Q, W^K, W^V of all heads at once: [d_model, h * d_k] each.
-    projection = lambda name: nn.Dense(cfg.d_model, name=name)
+    # W^Q, W^K, W^V of all heads at once: [d_model, h * d_k] each. A key
+    # bias would add q.b to every score of a row, which softmax ignores: its
+    # gradient is exactly zero, and Adam would only turn rounding noise in
+    # it into updates. So the keys have none.
+    projection = lambda name, bias=True: nn.Dense(
+        cfg.d_model, use_bias=bias, dtype=cfg.dtype, name=name)
     query = split_heads(projection('wq')(inputs_q), cfg.num_heads)
-    key = split_heads(projection('wk')(inputs_kv), cfg.num_heads)
+    key = split_heads(projection('wk', bias=False)(inputs_kv), cfg.num_heads)
     value = split_heads(projection('wv')(inputs_kv), cfg.num_heads)
     self.sow('intermediates', 'query', query)
     self.sow('intermediates', 'key', key)
@@ -113,7 +117,7 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'heads', heads)
     concatenated = merge_heads(heads)
     self.sow('intermediates', 'concatenated', concatenated)
-    return nn.Dense(cfg.d_model, name='wo')(concatenated)
+    return nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo')(concatenated)
 
   def _update_cache(self, key, value):
     """Writes the new keys/values at the cache index; returns all of them.

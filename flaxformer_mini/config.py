@@ -9,6 +9,10 @@ import dataclasses
 import typing
 
 
+DTYPES = ('float32', 'bfloat16')
+PARALLEL_MODES = ('shard_map', 'pmap')
+
+
 class ConfigError(ValueError):
   """A configuration value is out of range; the message names the field."""
 
@@ -42,6 +46,9 @@ class TransformerConfig:
   share_embeddings: bool = True
   tie_output_embedding: bool = True
   layer_norm_epsilon: float = 1e-6
+  # Activations and matmuls; parameters, optimizer state, layer-norm
+  # statistics, softmax and loss stay float32.
+  dtype: str = 'float32'
 
   # The objective and the optimizer.
   label_smoothing: float = 0.1
@@ -54,6 +61,7 @@ class TransformerConfig:
   log_every: int = 100
   eval_every: int = 1000
   seed: int = 0
+  parallel: str = 'shard_map'  # how the step is mapped over the devices
 
   # The copy task (source == target, random tokens drawn after the special ids).
   copy_length: int = 10
@@ -71,6 +79,10 @@ class TransformerConfig:
       value = getattr(self, name)
       if not 0.0 <= value < 1.0:
         raise ConfigError(f'--{name}={value}: must lie in [0, 1).')
+    for name, allowed in (('dtype', DTYPES), ('parallel', PARALLEL_MODES)):
+      if getattr(self, name) not in allowed:
+        raise ConfigError(f'--{name}={getattr(self, name)}: allowed values: '
+                          f'{", ".join(allowed)}.')
     if self.lr_factor <= 0 or self.layer_norm_epsilon <= 0:
       bad = 'lr_factor' if self.lr_factor <= 0 else 'layer_norm_epsilon'
       raise ConfigError(f'--{bad}={getattr(self, bad)}: must be positive.')

@@ -24,7 +24,7 @@ class TokenEmbedding(nn.Module):
 
   def setup(self):
     self.embed = nn.Embed(
-        self.vocab_size, self.config.d_model,
+        self.vocab_size, self.config.d_model, dtype=self.config.dtype,
         embedding_init=nn.initializers.normal(self.config.d_model**-0.5))
 
   def __call__(self, ids):
@@ -67,7 +67,7 @@ class PositionalEncoding(nn.Module):
       raise ValueError(
           f'sequence length {length} exceeds --max_len={self.config.max_len}.')
     table = jnp.asarray(sinusoidal_positions(self.config.max_len,
-                                             self.config.d_model))
+                                             self.config.d_model), x.dtype)
     if not decode:
       return x + table[None, :length]
     is_initialized = self.has_variable('cache', 'position')

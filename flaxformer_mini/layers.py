@@ -23,8 +23,9 @@ class FeedForward(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    hidden = nn.relu(nn.Dense(self.config.d_ff, name='wi')(x))
-    return nn.Dense(self.config.d_model, name='wo')(hidden)
+    cfg = self.config
+    hidden = nn.relu(nn.Dense(cfg.d_ff, dtype=cfg.dtype, name='wi')(x))
+    return nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo')(hidden)
 
 
 class AddAndNorm(nn.Module):
@@ -36,7 +37,9 @@ class AddAndNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x, sublayer: Callable, deterministic: bool):
-    norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon)
+    # Statistics are computed in float32 even when dtype is bfloat16.
+    norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon,
+                        dtype=self.config.dtype)
     dropout = nn.Dropout(self.config.dropout_rate)
     if self.config.pre_norm:
       return x + dropout(sublayer(norm(x)), deterministic=deterministic)

@@ -30,7 +30,8 @@ class Encoder(nn.Module):
     for i in range(cfg.num_encoder_layers):
       x = EncoderLayer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
     if cfg.pre_norm:
-      x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, name='final_norm')(x)
+      x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
+                       name='final_norm')(x)
     return x
 
 
@@ -55,7 +56,8 @@ class Decoder(nn.Module):
       y = DecoderLayer(cfg, name=f'layer_{i}')(
           y, encoded, src_mask, tgt_mask, deterministic, decode)
     if cfg.pre_norm:
-      y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, name='final_norm')(y)
+      y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
+                       name='final_norm')(y)
     return y
 
 
@@ -77,7 +79,7 @@ class Transformer(nn.Module):
     self.encoder = Encoder(cfg, source_embedding)
     self.decoder = Decoder(cfg, target_embedding)
     if not cfg.tie_output_embedding:
-      self.output_projection = nn.Dense(cfg.tgt_vocab_size)
+      self.output_projection = nn.Dense(cfg.tgt_vocab_size, dtype=cfg.dtype)
 
   def encode(self, src, src_mask, deterministic: bool = True):
     """src: int32[batch, src_len] -> float32[batch, src_len, d_model]."""

@@ -47,23 +47,33 @@ def _loss_and_metrics(params, apply_fn, batch: Batch, config: TransformerConfig,
 
 
 def train_step(state: TrainState, batch: Batch, rng,
-               config: TransformerConfig):
+               config: TransformerConfig, axis_name: str | None = None):
   """One optimizer update on the mean loss per real target token.
 
   Args:
     state: the TrainState (params, optimizer state, step).
-    batch: a Batch of [batch, len] arrays.
+    batch: a Batch of [batch, len] arrays (this device's share of the global
+      batch when mapped over devices).
     rng: the run's base PRNG key; the dropout key of this step is derived from
-      it and the step number, so a resumed run draws the same dropout masks.
+      it, the step number and the device index, so a resumed run draws the
+      same dropout masks and no two devices draw the same.
     config: static.
+    axis_name: the device axis when the step runs inside pmap / shard_map;
+      gradients and metrics are then summed over it, so the update is that of
+      the global batch however it is split.
 
   Returns:
-    (new state, metrics): sums `loss_sum`, `ntokens`, `correct`, and the
-    `learning_rate` this update used.
+    (new state, metrics): sums `loss_sum`, `ntokens`, `correct` over the
+    global batch, and the `learning_rate` this update used.
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
+  if axis_name is not None:
+    dropout_rng = jax.random.fold_in(dropout_rng,
+                                     jax.lax.axis_index(axis_name))
   grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
       state.params, state.apply_fn, batch, config, False, dropout_rng)
+  if axis_name is not None:
+    grads, metrics = jax.lax.psum((grads, metrics), axis_name)
   # Gradient of the summed loss / tokens = gradient of the per-token mean.
   denominator = jnp.maximum(metrics['ntokens'], 1).astype(jnp.float32)
   grads = jax.tree.map(lambda g: g / denominator, grads)
@@ -71,8 +81,15 @@ def train_step(state: TrainState, batch: Batch, rng,
   return state.apply_gradients(grads=grads), metrics
 
 
-def eval_step(params, batch: Batch, config: TransformerConfig):
-  """Loss sums on a batch without dropout: -> {loss_sum, ntokens, correct}."""
+def eval_step(params, batch: Batch, config: TransformerConfig,
+              axis_name: str | None = None):
+  """Loss sums on a batch without dropout: -> {loss_sum, ntokens, correct}.
+
+  Rows of all pad contribute nothing, so a batch can be padded to divide over
+  devices without changing the result.
+  """
   _, metrics = _loss_and_metrics(params, Transformer(config).apply, batch,
                                  config, True)
+  if axis_name is not None:
+    metrics = jax.lax.psum(metrics, axis_name)
   return metrics

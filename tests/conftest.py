@@ -10,6 +10,7 @@ from flaxformer_mini import decoding, experiment
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.masks import make_batch
+from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state, init_params
 
 
@@ -35,18 +36,23 @@ def toy_params(toy_config):
 def _train_copy_model(cfg):
   """Trains on the copy task until a fresh draw is copied exactly.
 
-  Returns (state, history, greedy decode_fn(params, sources)).
+  Returns (state, history, exact_match(params, draw=...) -> (match, sources,
+  decoded)).
   """
   init_rng, dropout_rng = jax.random.split(jax.random.key(cfg.seed))
   decode_fn = jax.jit(functools.partial(
       decoding.greedy_decode, config=cfg, max_len=cfg.copy_length + 1))
   draws = iter(range(1, 1000))
+  parallel = DataParallel(cfg)
   state, history = experiment.train(
       cfg, create_train_state(cfg, init_rng), dropout_rng,
       functools.partial(copy_task.train_batch, cfg),
       lambda s: experiment.copy_exact_match(s.params, cfg, decode_fn,
-                                            next(draws))[0] == 1.0)
-  return state, history, decode_fn
+                                            next(draws), parallel)[0] == 1.0,
+      parallel)
+  return state, history, functools.partial(
+      experiment.copy_exact_match, config=cfg, decode_fn=decode_fn,
+      parallel=parallel)
 
 
 @pytest.fixture(scope='session')
@@ -58,5 +64,5 @@ def small_copy_config():
 
 @pytest.fixture(scope='session')
 def train_copy_model():
-  """The function cfg -> (state, history, greedy decode_fn)."""
+  """The function cfg -> (state, history, exact_match(params, draw=...))."""
   return _train_copy_model

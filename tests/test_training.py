@@ -30,7 +30,7 @@ def test_gradient_is_that_of_the_mean_loss_per_real_token(small_copy):
                                             cfg.label_smoothing, cfg.pad_id)
     return total / count
 
-  expected = jax.grad(mean_loss)(state.params)
+  expected = jax.jit(jax.grad(mean_loss))(state.params)
   new_state, metrics = jax.jit(functools.partial(train_step, config=cfg))(
       state, batch, jax.random.key(1))
   # After one step Adam's first moment is (1 - beta1) * gradient.
@@ -71,7 +71,36 @@ def test_every_variant_learns_the_copy_task(small_copy, train_copy_model,
                                            pre_norm, tied):
   cfg = small_copy.replace(pre_norm=pre_norm, share_embeddings=tied,
                            tie_output_embedding=tied)
-  state, history, decode_fn = train_copy_model(cfg)
+  state, history, exact_match = train_copy_model(cfg)
   assert history[-1]['loss'] < history[0]['loss'] / 10
-  match, _, _ = experiment.copy_exact_match(state.params, cfg, decode_fn, 0)
+  match, _, _ = exact_match(state.params, draw=0)
   assert match >= 0.98, (pre_norm, tied, int(state.step), match)
+
+
+def test_bfloat16_computes_in_bfloat16_and_keeps_float32_state(small_copy):
+  cfg = small_copy.replace(dtype='bfloat16')
+  state = create_train_state(cfg, jax.random.key(0))
+  batch = copy_task.train_batch(cfg, 0)
+  logits, inter = Transformer(cfg).apply(
+      {'params': state.params}, batch.src, batch.tgt_in, batch.src_mask,
+      batch.tgt_mask, mutable=['intermediates'])
+  layer = inter['intermediates']['encoder']['layer_0']
+  assert layer['after_feed_forward'][0].dtype == jnp.bfloat16
+  assert layer['self_attention']['query'][0].dtype == jnp.bfloat16
+  assert layer['self_attention']['weights'][0].dtype == jnp.float32  # softmax
+  assert logits.dtype == jnp.float32
+  full = Transformer(cfg.replace(dtype='float32')).apply(
+      {'params': state.params}, batch.src, batch.tgt_in, batch.src_mask,
+      batch.tgt_mask)
+  np.testing.assert_allclose(logits, full, atol=0.1)
+  step = jax.jit(functools.partial(train_step, config=cfg))
+  losses_seen = []
+  for i in range(30):
+    state, metrics = step(state, copy_task.train_batch(cfg, i),
+                          jax.random.key(1))
+    losses_seen.append(float(metrics['loss_sum'] / metrics['ntokens']))
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(
+      (state.params, state.opt_state)) if jnp.issubdtype(leaf.dtype,
+                                                         jnp.floating))
+  assert np.isfinite(losses_seen).all()
+  assert losses_seen[-1] < losses_seen[0]

@@ -42,10 +42,19 @@ def with_bos_eos(sequences: np.ndarray, config: TransformerConfig) -> np.ndarray
   ], axis=1)
 
 
-def train_batch(config: TransformerConfig, step: int) -> Batch:
-  """The training batch of `step`: src [batch, L], tgt_in/tgt_out [batch, L + 1]."""
+def train_batch(config: TransformerConfig, step: int,
+                shard: tuple[int, int] = (0, 1)) -> Batch:
+  """Shard `index` of `count` of the global training batch of `step`.
+
+  Returns src [batch / count, L] and tgt_in / tgt_out [batch / count, L + 1]:
+  the consecutive block of rows that process `index` of `count` feeds (the
+  whole global batch by default).
+  """
+  index, count = shard
   sequences = random_sequences(config, config.batch_size,
                                (config.seed, _TRAIN_STREAM, step))
+  rows = config.batch_size // count
+  sequences = sequences[index * rows:(index + 1) * rows]
   return make_batch(sequences, with_bos_eos(sequences, config), config)
 
 
