@@ -2,6 +2,7 @@
 
   python train.py --task=copy                      # the copy task, copy preset
   python train.py --task=copy --d_model=32 --pre_norm=true
+  python train.py --task=translate --data_dir=../shared/data/multi30k
   python train.py --help                           # every config field
 
 Bad flags end in a one-line error that names the flag and what is allowed,
@@ -18,7 +19,7 @@ _START = time.perf_counter()
 
 from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not-at-top
 
-TASKS = {'copy': 'copy'}  # task -> its default preset
+TASKS = {'copy': 'copy', 'translate': 'translate'}  # task -> its preset
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -45,8 +46,20 @@ def build_parser() -> OneLineParser:
   parser.add_argument('--config', choices=list(config_lib.PRESETS),
                       help='the preset to start from (default: the task\'s '
                       'own, e.g. copy for --task=copy).')
-  parser.add_argument('--workdir', help='where results.json goes '
-                      '(default: runs/<task>).')
+  parser.add_argument('--workdir', help='where results.json and the '
+                      'checkpoints go (default: runs/<task>); a workdir with '
+                      'checkpoints is resumed.')
+  data = parser.add_argument_group(
+      'translation data', 'one of --data_dir (local files, e.g. Multi30k) or '
+      '--dataset (a prepared TFDS catalog dataset).')
+  data.add_argument('--data_dir', help='folder of train.{lang}[.gz], '
+                    'val.{lang}[.gz], test*.{lang}[.gz] files.')
+  data.add_argument('--dataset', help='TFDS name, e.g. wmt14_translate/de-en.')
+  data.add_argument('--tfds_dir', help='TFDS data dir (default: '
+                    'WORKDIR/tfds for local files, TFDS\'s own otherwise).')
+  parser.add_argument('--fresh', action='store_true',
+                      help='set the workdir\'s checkpoints aside and start '
+                      'over instead of resuming.')
   hosts = parser.add_argument_group(
       'multi-host', 'start one process per host; on Cloud TPU pods and '
       'SLURM / Kubernetes GPU clusters --multihost alone finds the others.')
@@ -73,8 +86,8 @@ def parse(argv: list[str]):
   if unknown:
     flag = unknown[0].split('=')[0]
     parser.error(f'{flag}: unknown flag; allowed: --task, --config, '
-                 '--workdir, the multi-host flags, or a config field (see '
-                 '--help).')
+                 '--workdir, --fresh, the data and multi-host flags, or a '
+                 'config field (see --help).')
   field_names = {f.name for f in dataclasses.fields(config_lib.TransformerConfig)}
   overrides = {k: v for k, v in vars(args).items() if k in field_names}
   try:
@@ -82,6 +95,11 @@ def parse(argv: list[str]):
         config_lib.get_config(args.config or TASKS[args.task]), overrides)
   except config_lib.ConfigError as e:
     parser.error(str(e))
+  if args.task == 'translate' and bool(args.data_dir) == bool(args.dataset):
+    parser.error('--task=translate needs one of --data_dir (local files) or '
+                 '--dataset (a TFDS name), not both.')
+  if args.data_dir and not os.path.isdir(args.data_dir):
+    parser.error(f'--data_dir={args.data_dir}: no such directory.')
   return args, config
 
 
@@ -96,8 +114,22 @@ def main(argv: list[str]) -> None:
     parallel.check_divisible(config.batch_size)
   except ValueError as e:
     build_parser().error(str(e))
+  from flaxformer_mini.checkpoints import CheckpointError
+  from flaxformer_mini.data.parallel_text import DataError
   workdir = args.workdir or os.path.join('runs', args.task)
-  experiment.run_copy_task(config, workdir, _START)
+  try:
+    if args.task == 'copy':
+      experiment.run_copy_task(config, workdir, _START, fresh=args.fresh)
+    else:
+      experiment.run_translate(config, workdir, _START, args.data_dir,
+                               args.dataset, args.tfds_dir, args.fresh)
+  except (CheckpointError, DataError) as e:
+    sys.exit(f'train.py: error: {e}')
+  except experiment.NonFiniteLoss as e:
+    sys.exit(f'train.py: {e}')
+  except experiment.Interrupted as e:
+    print(f'train.py: {e}', file=sys.stderr)
+    sys.exit(128 + e.signum)
 
 
 if __name__ == '__main__':

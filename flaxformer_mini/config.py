@@ -60,21 +60,34 @@ class TransformerConfig:
   train_steps: int = 100_000
   log_every: int = 100
   eval_every: int = 1000
+  checkpoint_every: int = 1000  # and at the end; 0 = only at the end
+  keep_checkpoints: int = 5     # the last K, plus the best evaluated one
   seed: int = 0
   parallel: str = 'shard_map'  # how the step is mapped over the devices
 
   # The copy task (source == target, random tokens drawn after the special ids).
   copy_length: int = 10
 
+  # Translation: direction, batches by token budget, the evaluation search.
+  src_lang: str = 'de'
+  tgt_lang: str = 'en'
+  tokens_per_batch: int = 4096  # per side; the paper used about 25,000
+  eval_beam_size: int = 4
+  eval_alpha: float = 0.6
+
   def __post_init__(self):
     positive = ('src_vocab_size', 'tgt_vocab_size', 'num_encoder_layers',
                 'num_decoder_layers', 'd_model', 'd_ff', 'num_heads',
                 'max_len', 'warmup_steps', 'batch_size', 'train_steps',
-                'log_every', 'eval_every', 'copy_length')
+                'log_every', 'eval_every', 'keep_checkpoints', 'copy_length',
+                'tokens_per_batch', 'eval_beam_size')
     for name in positive:
       if getattr(self, name) <= 0:
         raise ConfigError(
             f'--{name}={getattr(self, name)}: must be a positive integer.')
+    if self.checkpoint_every < 0:
+      raise ConfigError(f'--checkpoint_every={self.checkpoint_every}: must be '
+                        '>= 0 (0 saves only at the end).')
     for name in ('dropout_rate', 'attention_dropout_rate', 'label_smoothing'):
       value = getattr(self, name)
       if not 0.0 <= value < 1.0:
@@ -109,6 +122,8 @@ class TransformerConfig:
       raise ConfigError(
           '--label_smoothing > 0 needs --tgt_vocab_size > 2: the smoothing '
           'mass is spread over the tokens that are neither the truth nor pad.')
+    if self.src_lang == self.tgt_lang:
+      raise ConfigError(f'--src_lang and --tgt_lang are both {self.src_lang}.')
     if self.copy_length + 2 > self.max_len:
       raise ConfigError(
           f'--copy_length={self.copy_length}: with bos and eos it must fit '
@@ -135,8 +150,8 @@ def _preset_copy() -> TransformerConfig:
   return TransformerConfig(
       num_encoder_layers=2, num_decoder_layers=2, d_model=32, d_ff=64,
       num_heads=4, dropout_rate=0.0, max_len=64, label_smoothing=0.0,
-      lr_factor=2.0, warmup_steps=200, batch_size=64, train_steps=3000,
-      log_every=50, eval_every=100)
+      lr_factor=1.0, warmup_steps=200, batch_size=128, train_steps=3000,
+      log_every=50, eval_every=100, checkpoint_every=500)
 
 
 def _preset_small() -> TransformerConfig:
@@ -156,9 +171,17 @@ def _preset_big() -> TransformerConfig:
       num_heads=16, dropout_rate=0.3)
 
 
+def _preset_translate() -> TransformerConfig:
+  # Multi30k-sized: the `small` model with dropout, trainable on a CPU.
+  return _preset_small().replace(
+      max_len=128, tokens_per_batch=6000, warmup_steps=2000, train_steps=20000,
+      log_every=100, eval_every=2000, checkpoint_every=1000)
+
+
 PRESETS: dict[str, typing.Callable[[], TransformerConfig]] = {
     'toy': _preset_toy,
     'copy': _preset_copy,
+    'translate': _preset_translate,
     'small': _preset_small,
     'base': _preset_base,
     'big': _preset_big,

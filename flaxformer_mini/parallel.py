@@ -106,6 +106,11 @@ class DataParallel:
   def num_devices(self) -> int:
     return jax.device_count()
 
+  @property
+  def replicated(self) -> NamedSharding:
+    """A full copy on every device of the mesh."""
+    return NamedSharding(self.mesh, P())
+
   @functools.cached_property
   def _batch_specs(self) -> Batch:
     sharded = P(DATA_AXIS)
@@ -160,6 +165,10 @@ class DataParallel:
       return jax.tree.map(lambda x: x[0], state)
     return jax.tree.map(lambda x: x.addressable_data(0), state)
 
+  def savable_state(self, state: TrainState) -> TrainState:
+    """The placed state as global arrays, for orbax (multi-host aware)."""
+    return self.get_state(state) if self.mode == 'pmap' else state
+
   def put_batch(self, batch: Batch) -> Batch:
     """Splits this process's rows of the global batch over the devices.
 
@@ -179,9 +188,12 @@ class DataParallel:
 
   def replicate(self, tree):
     """Any pytree of arrays, replicated over the mesh (e.g. params to decode)."""
-    replicated = NamedSharding(self.mesh, P())
+    replicated = self.replicated
 
     def put(leaf):
+      if (isinstance(leaf, jax.Array) and
+          leaf.sharding.is_equivalent_to(replicated, leaf.ndim)):
+        return leaf  # already in place (e.g. restored from a checkpoint)
       value = np.asarray(leaf)
       return jax.make_array_from_callback(value.shape, replicated,
                                           lambda index: value[index])

@@ -1,0 +1,313 @@
+"""Checkpoints: exact resume, interruption, damage, NaN guard, averaging, devices."""
+
+import functools
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_mini import checkpoints as ckpt
+from flaxformer_mini import experiment
+from flaxformer_mini.config import get_config
+from flaxformer_mini.data import copy_task
+from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.training import create_train_state, init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def cfg():
+  # Dropout on, so that the resumed run must also restore the dropout key.
+  return get_config('copy').replace(copy_length=5, batch_size=16,
+                                    dropout_rate=0.1, log_every=5,
+                                    eval_every=10_000, checkpoint_every=10)
+
+
+def _train_in(workdir, cfg):
+  """train() as run_copy_task does it, without the final evaluation."""
+  parallel = DataParallel(cfg)
+  checkpoints = ckpt.Checkpoints(os.path.join(workdir, 'checkpoints'),
+                                 cfg.keep_checkpoints)
+  try:
+    state, rng, resumed = experiment.resume_or_start(cfg, checkpoints,
+                                                     parallel)
+    state, _ = experiment.train(
+        cfg, state, rng, functools.partial(copy_task.train_batch, cfg),
+        parallel=parallel, checkpoints=checkpoints)
+  finally:
+    checkpoints.close()
+  return state, resumed
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_a_resumed_run_is_the_uninterrupted_run_bitwise(tmp_path, cfg):
+  whole, _ = _train_in(tmp_path / 'whole', cfg.replace(train_steps=40))
+  _, resumed_from = _train_in(tmp_path / 'split', cfg.replace(train_steps=20))
+  assert resumed_from == 0
+  second, resumed_from = _train_in(tmp_path / 'split',
+                                   cfg.replace(train_steps=40))
+  assert resumed_from == 20 and int(second.step) == 40
+  for a, b in zip(_leaves(whole.params) + _leaves(whole.opt_state),
+                  _leaves(second.params) + _leaves(second.opt_state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_keeps_the_last_k_and_the_best(tmp_path, cfg):
+  checkpoints = ckpt.Checkpoints(str(tmp_path), keep=2)
+  state = create_train_state(cfg, jax.random.key(0))
+  for step, score in [(1, 0.5), (2, 0.9), (3, 0.1), (4, None), (5, 0.2)]:
+    checkpoints.save(step, state, jax.random.key(1), cfg, score)
+  checkpoints.wait()
+  assert checkpoints.steps() == [2, 4, 5]
+  assert checkpoints.best_step() == 2
+  checkpoints.close()
+
+
+def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path,
+                                                                   cfg):
+  _train_in(tmp_path, cfg.replace(train_steps=10))
+  with pytest.raises(ckpt.CheckpointError,
+                     match=r'd_ff: 64 -> 128.*--fresh'):
+    _train_in(tmp_path, cfg.replace(train_steps=20, d_ff=128))
+  # train_steps, log_every, ... may change: that is how a run is extended.
+  _train_in(tmp_path, cfg.replace(train_steps=20, log_every=10))
+
+
+def test_fresh_sets_old_checkpoints_aside(tmp_path, cfg):
+  _train_in(tmp_path, cfg.replace(train_steps=10))
+  moved = ckpt.set_aside(str(tmp_path / 'checkpoints'))
+  assert os.path.isdir(os.path.join(moved, '10'))
+  _, resumed_from = _train_in(tmp_path, cfg.replace(train_steps=10, d_ff=128))
+  assert resumed_from == 0
+
+
+def _corrupt(step_dir):
+  for path in glob.glob(os.path.join(step_dir, 'params', '**', '*'),
+                        recursive=True):
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+      with open(path, 'r+b') as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_damaged_checkpoint_names_itself_and_the_fallback(tmp_path, cfg):
+  _train_in(tmp_path, cfg.replace(train_steps=20))
+  _corrupt(tmp_path / 'checkpoints' / '20')
+  with pytest.raises(ckpt.CheckpointError) as error:
+    _train_in(tmp_path, cfg.replace(train_steps=30))
+  message = str(error.value)
+  assert os.path.join('checkpoints', '20') in message
+  assert 'truncated or corrupted' in message
+  assert 'resume from step 10' in message
+
+
+def test_a_checkpoint_of_other_shapes_is_refused(tmp_path, cfg):
+  _train_in(tmp_path, cfg.replace(train_steps=10))
+  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
+  wider = create_train_state(cfg.replace(d_ff=96), jax.random.key(0))
+  with pytest.raises(ckpt.CheckpointError, match=r'saved \(32, 64\), model '
+                     r'\(32, 96\)'):
+    checkpoints.restore(10, wider, None)
+  checkpoints.close()
+
+
+def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(
+    tmp_path, cfg):
+  cfg = cfg.replace(train_steps=10, checkpoint_every=1, log_every=5)
+  good, _ = _train_in(tmp_path, cfg)
+  # A run that goes wrong: one weight becomes NaN, so every later loss is NaN.
+  parallel = DataParallel(cfg)
+  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
+  poisoned = good.replace(params=jax.tree.map(
+      lambda x: x.at[(0,) * x.ndim].set(jnp.nan), good.params))
+  with pytest.raises(experiment.NonFiniteLoss) as error:
+    experiment.train(cfg.replace(train_steps=30), poisoned, jax.random.key(0),
+                     functools.partial(copy_task.train_batch, cfg),
+                     parallel=parallel, checkpoints=checkpoints)
+  assert error.value.step == 11
+  assert 'the loss became nan at step 11' in str(error.value)
+  assert 'step 10, is the last good one' in str(error.value)
+  assert checkpoints.latest_step() == 10
+  state, _ = checkpoints.restore(10, good, None)
+  assert all(np.all(np.isfinite(x)) for x in _leaves(state.params))
+  checkpoints.close()
+
+
+def test_averaging(tmp_path, cfg):
+  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'), keep=5)
+  state = create_train_state(cfg, jax.random.key(0))
+  like = state.params
+  shifted = jax.tree.map(lambda x: x + 2.0, state.params)
+  checkpoints.save(1, state, jax.random.key(1), cfg)
+  checkpoints.save(2, state, jax.random.key(1), cfg)
+  checkpoints.save(3, state.replace(params=shifted), jax.random.key(1), cfg)
+  checkpoints.wait()
+  identical, steps = ckpt.average_params(checkpoints, 1, like)
+  assert steps == [3]
+  for a, b in zip(_leaves(identical), _leaves(shifted)):
+    np.testing.assert_array_equal(a, b)
+  # Averaging identical checkpoints is the identity ...
+  checkpoints.save(4, state.replace(params=shifted), jax.random.key(1), cfg)
+  checkpoints.wait()
+  same, _ = ckpt.average_params(checkpoints, 2, like)
+  for a, b in zip(_leaves(same), _leaves(shifted)):
+    np.testing.assert_allclose(a, b, rtol=1e-7)
+  # ... and averaging two known states gives their mean.
+  mean, steps = ckpt.average_params(checkpoints, 3, like)
+  assert steps == [2, 3, 4]
+  for a, b in zip(_leaves(mean), _leaves(state.params)):
+    np.testing.assert_allclose(a, b + 4.0 / 3.0, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ckpt.CheckpointError, match='--last=9'):
+    ckpt.average_params(checkpoints, 9, like)
+  checkpoints.close()
+
+
+def test_average_command_writes_params_that_load_for_inference(tmp_path, cfg):
+  state, _ = _train_in(tmp_path, cfg.replace(train_steps=30))
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_mini.checkpoints', 'average',
+       f'--workdir={tmp_path}', '--last=3'], capture_output=True, text=True,
+      cwd=ROOT, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'averaged steps [10, 20, 30]' in result.stdout
+  averaged = ckpt.load_params(str(tmp_path / 'averaged'), cfg)
+  latest = ckpt.load_params(str(tmp_path / 'checkpoints'), cfg)
+  for a, b in zip(_leaves(latest), _leaves(state.params)):
+    np.testing.assert_array_equal(a, b)
+  assert not all(np.array_equal(a, b) for a, b in
+                 zip(_leaves(averaged), _leaves(latest)))
+  with pytest.raises(ckpt.CheckpointError, match='does not fit'):
+    ckpt.load_params(str(tmp_path / 'averaged'), cfg.replace(d_model=16,
+                                                             d_ff=32))
+
+
+def _start_training(workdir, *flags):
+  return subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--task=copy',
+       f'--workdir={workdir}', '--train_steps=100000', '--eval_every=100000',
+       *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      cwd=ROOT)
+
+
+def _wait_for_checkpoint(workdir, process, timeout=240):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if glob.glob(os.path.join(workdir, 'checkpoints', '[0-9]*')):
+      return
+    assert process.poll() is None, process.communicate()[1][-2000:]
+    time.sleep(0.2)
+  raise AssertionError('no checkpoint appeared')
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
+  process = _start_training(tmp_path, '--checkpoint_every=50')
+  _wait_for_checkpoint(tmp_path, process)
+  process.send_signal(signum)
+  _, err = process.communicate(timeout=120)
+  assert process.returncode == 128 + signum
+  assert 'Traceback' not in err
+  name = signal.Signals(signum).name
+  assert f'interrupted by {name} after step' in err
+  step = int(err.split('after step ')[1].split(':')[0])
+  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
+  assert checkpoints.latest_step() == step
+  assert checkpoints.read_meta(step)['step'] == step
+  checkpoints.close()
+
+
+def test_sigkill_while_writing_leaves_earlier_checkpoints_and_resumes(tmp_path):
+  # Saving a wider model at every step, the process spends much of its time
+  # writing: kill it until one kill lands in the middle of a write.
+  model = ['--d_model=256', '--d_ff=1024', '--keep_checkpoints=50',
+           '--copy_length=4']
+  for attempt in range(6):
+    workdir = tmp_path / str(attempt)
+    process = _start_training(workdir, '--checkpoint_every=1', *model)
+    deadline = time.time() + 240
+    while len(glob.glob(str(workdir / 'checkpoints' / '[0-9]'))) < 2:
+      assert time.time() < deadline and process.poll() is None
+      time.sleep(0.05)
+    time.sleep(0.1 * attempt)
+    process.kill()
+    process.communicate()
+    entries = os.listdir(workdir / 'checkpoints')
+    partial = [e for e in entries if not e.isdigit()]
+    if partial:
+      break
+  assert partial, 'no kill landed during a write'
+  complete = sorted(int(e) for e in entries if e.isdigit())
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--task=copy',
+       f'--workdir={workdir}', f'--train_steps={complete[-1] + 3}',
+       '--checkpoint_every=1', *model],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert f'resuming from step {complete[-1]} ' in result.stdout
+  results = json.loads((workdir / 'results.json').read_text())
+  assert results['steps'] == complete[-1] + 3
+  leftovers = [e for e in os.listdir(workdir / 'checkpoints')
+               if not e.isdigit()]
+  assert not leftovers, leftovers
+
+
+_WRITE_OR_READ = '''
+    import sys
+    import jax, numpy as np
+    from flaxformer_mini import checkpoints as ckpt
+    from flaxformer_mini.config import get_config
+    from flaxformer_mini.parallel import DataParallel
+    from flaxformer_mini.training import create_train_state
+
+    action, directory, expected = sys.argv[1:4]
+    cfg = get_config('copy').replace(copy_length=5)
+    parallel = DataParallel(cfg)
+    state = create_train_state(cfg, jax.random.key(0))
+    checkpoints = ckpt.Checkpoints(directory)
+    if action == 'write':
+      state = state.replace(step=7, params=jax.tree.map(lambda x: x + 0.5,
+                                                        state.params))
+      placed = parallel.put_state(state)
+      checkpoints.save(7, parallel.savable_state(placed), jax.random.key(3),
+                       cfg)
+      checkpoints.wait()
+      np.savez(expected, *[np.asarray(x) for x in
+                           jax.tree.leaves(state.params)])
+    else:
+      restored, meta = checkpoints.restore(7, state, parallel.replicated)
+      placed = parallel.put_state(restored)
+      leaves = jax.tree.leaves(parallel.get_state(placed).params)
+      reference = np.load(expected)
+      for i, leaf in enumerate(leaves):
+        np.testing.assert_array_equal(np.asarray(leaf), reference[f'arr_{i}'])
+      assert int(restored.step) == 7 and meta['step'] == 7
+    checkpoints.close()
+    print('ok', jax.device_count())
+'''
+
+
+@pytest.mark.parametrize('writer, reader', [(8, 1), (1, 8)])
+def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
+  def run(action, devices):
+    env = dict(os.environ, JAX_PLATFORMS='cpu',
+               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+    return subprocess.run(
+        [sys.executable, '-c', textwrap.dedent(_WRITE_OR_READ), action,
+         str(tmp_path / 'checkpoints'), str(tmp_path / 'expected.npz')],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  for action, devices in (('write', writer), ('read', reader)):
+    result = run(action, devices)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ['ok', str(devices)]

@@ -1,0 +1,222 @@
+"""Real translation: TFDS data, SentencePiece, token batches, BLEU, translate.
+
+Tests read Multi30k from ../shared/data/multi30k (next to the project), or a
+small slice of it written to a temporary directory; they skip where it is
+absent.
+"""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flaxformer_mini import evaluation, experiment
+from flaxformer_mini.config import get_config
+from flaxformer_mini.data import batching, parallel_text, tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MULTI30K = os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')
+needs_multi30k = pytest.mark.skipif(
+    not os.path.isdir(MULTI30K),
+    reason=f'Multi30k is not at {MULTI30K} (see the README: Real data)')
+
+
+def _lines(split, lang, count=None):
+  with gzip.open(os.path.join(MULTI30K, f'{split}.{lang}.gz'), 'rt',
+                 encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  return lines[:count] if count else lines
+
+
+@pytest.fixture(scope='module')
+def data_slice(tmp_path_factory):
+  """300 training pairs (plus an empty and an overlong one), 30 val, 30 test.
+
+  Written half gzipped, half plain, as the builder reads both.
+  """
+  if not os.path.isdir(MULTI30K):
+    pytest.skip(f'Multi30k is not at {MULTI30K}')
+  directory = tmp_path_factory.mktemp('slice')
+  for split, count in (('train', 300), ('val', 30), ('test_2016_flickr', 30)):
+    for lang in ('de', 'en'):
+      lines = _lines(split, lang, count)
+      if split == 'train':
+        lines += ['', ' '.join(['Wort'] * 200)]
+      text = '\n'.join(lines) + '\n'
+      if split == 'val':
+        (directory / f'{split}.{lang}').write_text(text, encoding='utf-8')
+      else:
+        with gzip.open(directory / f'{split}.{lang}.gz', 'wt',
+                       encoding='utf-8') as f:
+          f.write(text)
+  return directory
+
+
+@needs_multi30k
+def test_local_builder_yields_aligned_pairs_in_file_order(tmp_path):
+  splits = parallel_text.load_local(MULTI30K, ('de', 'en'),
+                                    str(tmp_path / 'tfds'))
+  assert {name: len(source) for name, source in splits.items()} == {
+      'train': 29000, 'validation': 1014, 'test_2016_flickr': 1000}
+  for split, name in (('train', 'train'), ('val', 'validation')):
+    de, en = _lines(split, 'de'), _lines(split, 'en')
+    for index in (0, 1, 500, len(de) - 1):
+      example = splits[name][index]
+      assert example['de'].decode() == de[index].strip()
+      assert example['en'].decode() == en[index].strip()
+
+
+def test_mismatched_line_counts_are_refused(tmp_path):
+  (tmp_path / 'train.de').write_text('a\nb\nc\n')
+  (tmp_path / 'train.en').write_text('a\nb\n')
+  with pytest.raises(parallel_text.DataError,
+                     match=r'train.de has 3 lines but .*train.en has 2'):
+    parallel_text.local_split_files(str(tmp_path), ('de', 'en'))
+
+
+def test_a_missing_data_directory_is_refused(tmp_path):
+  with pytest.raises(parallel_text.DataError, match='no such directory'):
+    parallel_text.local_split_files(str(tmp_path / 'nowhere'), ('de', 'en'))
+  (tmp_path / 'val.de').write_text('a\n')
+  (tmp_path / 'val.en').write_text('a\n')
+  with pytest.raises(parallel_text.DataError, match='no train.de'):
+    parallel_text.local_split_files(str(tmp_path), ('de', 'en'))
+
+
+def test_an_unknown_tfds_name_is_refused(tmp_path):
+  with pytest.raises(parallel_text.DataError,
+                     match='--dataset=no_such_dataset: TFDS does not know'):
+    parallel_text.load_catalog('no_such_dataset', str(tmp_path))
+
+
+def test_an_unprepared_catalog_dataset_fails_at_once_offline(tmp_path):
+  with pytest.raises(parallel_text.DataError,
+                     match=r'ted_hrlr_translate/pt_to_en is not prepared'):
+    parallel_text.load_catalog('ted_hrlr_translate/pt_to_en', str(tmp_path))
+
+
+@needs_multi30k
+def test_sentencepiece_round_trips_ordinary_sentences(tmp_path):
+  config = get_config('translate').replace(src_vocab_size=500,
+                                           tgt_vocab_size=500)
+  sentences = _lines('train', 'de', 2000) + _lines('train', 'en', 2000)
+  model = tokenizer.train_tokenizer(sentences, str(tmp_path / 'spm'), config)
+  tokenizer.check_special_ids(model, config)
+  for sentence in _lines('val', 'de', 20) + _lines('val', 'en', 20):
+    ids = model.encode(sentence)
+    assert config.pad_id not in ids and config.eos_id not in ids
+    assert model.decode(ids) == ' '.join(sentence.split())
+
+
+def _random_pairs(count, rng):
+  lengths = rng.integers(1, 60, size=(count, 2))
+  return ([np.full(a, 5, np.int32) for a, _ in lengths],
+          [np.full(b, 6, np.int32) for _, b in lengths])
+
+
+def test_token_batches_respect_the_budget_and_cover_each_example_once():
+  config = get_config('translate').replace(max_len=64, seed=3)
+  src, tgt = _random_pairs(2000, np.random.default_rng(0))
+  kept = batching.filter_pairs(src, tgt, config.max_len)
+  batches = batching.TokenBatches(kept.src, kept.tgt, config, 1000,
+                                  row_multiple=8)
+  seen = []
+  for step in range(batches.per_epoch):
+    batch = batches.batch_at(step)
+    rows, length = batch.src.shape
+    assert rows % 8 == 0
+    assert rows * length <= 1000 and rows * batch.tgt_in.shape[1] <= 1000
+    real = np.asarray(batch.src != config.pad_id).sum()
+    assert real <= rows * length
+  for _, members in batches.epoch_batches(0):
+    seen.extend(members.tolist())
+  assert sorted(seen) == list(range(len(kept.src)))
+  assert len(batches.shapes()) <= len(batching.bucket_lengths(64))
+  # Deterministic for a seed; the next epoch is another order.
+  again = batching.TokenBatches(kept.src, kept.tgt, config, 1000, 8)
+  np.testing.assert_array_equal(again.batch_at(5).src, batches.batch_at(5).src)
+  orders = [[m.tolist() for _, m in batches.epoch_batches(epoch)]
+            for epoch in (0, 1)]
+  assert orders[0] != orders[1]
+
+
+def test_filter_counts_empty_and_overlong_pairs():
+  src = [np.ones(3), np.ones(0), np.ones(100), np.ones(4)]
+  tgt = [np.ones(3), np.ones(2), np.ones(5), np.ones(0)]
+  kept = batching.filter_pairs(src, tgt, max_len=64)
+  assert (len(kept.src), kept.empty, kept.too_long) == (1, 2, 1)
+
+
+def test_bleu_of_references_against_themselves_is_100():
+  references = _lines('val', 'en', 50) if os.path.isdir(MULTI30K) else [
+      'A man rides a bike .', 'Two dogs play in the snow .']
+  score, signature = evaluation.bleu(references, references)
+  assert score == pytest.approx(100.0)
+  assert 'tok:13a' in signature and 'version:' in signature
+
+
+@pytest.fixture(scope='module')
+def tiny_run(data_slice, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('translate')
+  config = get_config('translate').replace(
+      src_vocab_size=300, tgt_vocab_size=300, d_model=32, d_ff=64,
+      num_heads=4, num_encoder_layers=1, num_decoder_layers=1, max_len=48,
+      tokens_per_batch=1536, warmup_steps=10, train_steps=12, log_every=6,
+      eval_every=12, checkpoint_every=6, eval_beam_size=2)
+  results = experiment.run_translate(config, str(workdir), 0.0,
+                                     data_dir=str(data_slice))
+  return workdir, results
+
+
+def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):
+  workdir, results = tiny_run
+  assert results['steps'] == 12
+  assert results['data']['pairs'] == {'train': 302, 'validation': 30,
+                                      'test_2016_flickr': 30}
+  data = results['data']
+  assert data['train_skipped_empty'] == 1
+  assert data['train_skipped_too_long'] >= 1  # the 200-word line at least
+  assert (data['train_pairs_used'] + data['train_skipped_empty'] +
+          data['train_skipped_too_long']) == 302
+  assert 0.0 <= results['test_bleu'] <= 100.0
+  assert results['bleu_signature'].startswith('nrefs:1')
+  assert results['evaluations'][0]['val_perplexity'] > 1.0
+  assert results['history'][-1]['loss'] < results['history'][0]['loss']
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['12', '6']
+  on_disk = json.loads((workdir / 'results.json').read_text())
+  assert on_disk['test_bleu'] == results['test_bleu']
+
+
+def test_translate_command_answers_every_line(tiny_run, data_slice):
+  workdir, _ = tiny_run
+  lines = ['Ein Mann fährt Fahrrad.', '', 'Zwei Hunde spielen im Schnee.',
+           '', ' '.join(['Hund'] * 80)]
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_mini.translate',
+       f'--workdir={workdir}', '--beam_size=2'],
+      input='\n'.join(lines) + '\n', capture_output=True, text=True,
+      cwd=ROOT, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  outputs = result.stdout.split('\n')[:-1]
+  assert len(outputs) == len(lines)
+  assert outputs[1] == '' and outputs[3] == ''
+  assert 'line 5 has' in result.stderr  # the overlong line is reported
+
+
+def test_train_py_names_bad_translation_input(tmp_path):
+  def run(*flags):
+    return subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
+                           '--task=translate', *flags], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+  missing = run(f'--data_dir={tmp_path / "none"}')
+  assert missing.returncode == 2 and '--data_dir' in missing.stderr
+  neither = run()
+  assert neither.returncode == 2 and 'one of --data_dir' in neither.stderr
+  unknown = run('--dataset=no_such_dataset', f'--workdir={tmp_path}')
+  assert unknown.returncode != 0
+  assert 'TFDS does not know' in unknown.stderr
+  assert 'Traceback' not in unknown.stderr
