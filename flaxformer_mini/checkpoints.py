@@ -38,8 +38,8 @@ from flaxformer_mini.training import TrainState, init_params
 # Fields that may change between a run and its resumption: how long and how
 # often to log, evaluate and save, and how the step is mapped over devices.
 RESUMABLE_FIELDS = frozenset({
-    'train_steps', 'log_every', 'eval_every', 'checkpoint_every',
-    'keep_checkpoints', 'parallel'})
+    'train_steps', 'max_train_minutes', 'log_every', 'eval_every',
+    'checkpoint_every', 'keep_checkpoints', 'parallel'})
 AVERAGED_DIR = 'averaged'
 
 

@@ -58,6 +58,7 @@ class TransformerConfig:
   # The training run.
   batch_size: int = 64
   train_steps: int = 100_000
+  max_train_minutes: float = 0.0  # stop (and save) after this long; 0 = no limit
   log_every: int = 100
   eval_every: int = 1000
   checkpoint_every: int = 1000  # and at the end; 0 = only at the end
@@ -85,6 +86,9 @@ class TransformerConfig:
       if getattr(self, name) <= 0:
         raise ConfigError(
             f'--{name}={getattr(self, name)}: must be a positive integer.')
+    if self.max_train_minutes < 0:
+      raise ConfigError(f'--max_train_minutes={self.max_train_minutes}: must '
+                        'be >= 0 (0 = no limit).')
     if self.checkpoint_every < 0:
       raise ConfigError(f'--checkpoint_every={self.checkpoint_every}: must be '
                         '>= 0 (0 saves only at the end).')

@@ -26,7 +26,8 @@ from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.masks import Batch
-from flaxformer_mini.parallel import DataParallel, check_divisible, pad_rows
+from flaxformer_mini.parallel import (DataParallel, check_divisible, host_rows,
+                                      pad_rows)
 from flaxformer_mini.training import TrainState, create_train_state
 
 # Exact match is measured on at least this many fresh sequences.
@@ -114,7 +115,8 @@ def train(config: TransformerConfig, state: TrainState, rng,
   last_saved = checkpoints.latest_step() if checkpoints else None
   first_step = int(state.step)
   placed = parallel.put_state(state)
-  window_start = time.perf_counter()
+  window_start = started = time.perf_counter()
+  deadline = config.max_train_minutes * 60 or float('inf')
 
   def check_pending():
     """Fetches the pending metrics; raises at the first non-finite loss."""
@@ -163,6 +165,11 @@ def train(config: TransformerConfig, state: TrainState, rng,
         score, stop = None, False
         if evaluate is not None and done % config.eval_every == 0:
           score, stop = evaluate(parallel.get_state(placed))
+        # The time limit is checked at log boundaries, where the host syncs.
+        if not pending and time.perf_counter() - started > deadline:
+          tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes} '
+                          f'reached after step {done}')
+          stop = True
         every = config.checkpoint_every
         if ((every and done % every == 0) or score is not None or stop or
             signals.received is not None):
@@ -189,9 +196,8 @@ def decode_sharded(decode_fn, params, sources: np.ndarray,
   to divide over the devices, and those rows are dropped from the result.
   """
   padded = pad_rows(sources, parallel.num_devices, pad_id)
-  rows = padded.shape[0] // jax.process_count()
-  mine = padded[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-  out = decode_fn(parallel.replicate(params), parallel.put_rows(mine))
+  out = decode_fn(parallel.replicate(params),
+                  parallel.put_rows(host_rows(padded)))
   return np.asarray(multihost_utils.process_allgather(out, tiled=True))[
       :sources.shape[0]]
 
@@ -235,6 +241,22 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
   return state, rng, latest
 
 
+def open_run(config: TransformerConfig, workdir: str, parallel: DataParallel,
+             fresh: bool):
+  """WORKDIR/checkpoints, resumed from if it holds a run (set aside if fresh).
+
+  Returns (checkpoints, state, dropout key, the step resumed from or 0).
+  """
+  directory = os.path.join(workdir, 'checkpoints')
+  if fresh and (moved := set_aside(directory)):
+    print(f'--fresh: the old checkpoints are now in {moved}')
+  checkpoints = Checkpoints(directory, config.keep_checkpoints)
+  state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
+  if resumed_from:
+    print(f'resuming from step {resumed_from} of {checkpoints.directory}')
+  return checkpoints, state, rng, resumed_from
+
+
 def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
                   fresh: bool = False) -> dict:
   """Trains on the copy task until it copies, then evaluates on fresh data.
@@ -247,13 +269,8 @@ def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
   check_divisible(config.batch_size)
   os.makedirs(workdir, exist_ok=True)
   parallel = DataParallel(config, config.parallel)
-  directory = os.path.join(workdir, 'checkpoints')
-  if fresh and (moved := set_aside(directory)):
-    print(f'--fresh: the old checkpoints are now in {moved}')
-  checkpoints = Checkpoints(directory, config.keep_checkpoints)
-  state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
-  if resumed_from:
-    print(f'resuming from step {resumed_from} of {checkpoints.directory}')
+  checkpoints, state, rng, resumed_from = open_run(config, workdir, parallel,
+                                                   fresh)
   decode_fn = jax.jit(functools.partial(
       decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
 
@@ -303,7 +320,8 @@ def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
   return results
 
 
-def _pairs(source, languages: tuple[str, str]) -> tuple[list[str], list[str]]:
+def pairs_of(source, languages: tuple[str, str]) -> tuple[list[str],
+                                                          list[str]]:
   """All (source text, target text) of a TFDS data source, in order."""
   examples = source.__getitems__(range(len(source)))
   return ([e[languages[0]].decode('utf-8') for e in examples],
@@ -331,7 +349,7 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
         data_dir, languages, tfds_dir or os.path.join(workdir, 'tfds'))
   else:
     splits = parallel_text.load_catalog(dataset, tfds_dir)
-  texts = {split: _pairs(source, languages) for split, source in
+  texts = {split: pairs_of(source, languages) for split, source in
            splits.items()}
   test_split = next((s for s in texts if s not in ('train', 'validation')),
                     'validation')
@@ -366,13 +384,8 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
         f'--max_len={config.max_len}')
 
   parallel = DataParallel(config, config.parallel)
-  directory = os.path.join(workdir, 'checkpoints')
-  if fresh and (moved := set_aside(directory)):
-    print(f'--fresh: the old checkpoints are now in {moved}')
-  checkpoints = Checkpoints(directory, config.keep_checkpoints)
-  state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
-  if resumed_from:
-    print(f'resuming from step {resumed_from} of {checkpoints.directory}')
+  checkpoints, state, rng, resumed_from = open_run(config, workdir, parallel,
+                                                   fresh)
   evaluations = []
 
   def bleu_on(params, split):
@@ -402,7 +415,6 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
   finally:
     checkpoints.close()
   test_bleu, signature = bleu_on(state.params, test_split)
-  val_bleu, _ = bleu_on(state.params, 'validation')
   results = {
       'task': 'translate',
       'config': dataclasses.asdict(config),
@@ -421,7 +433,6 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
       'steps': int(state.step),
       'resumed_from': resumed_from,
       'final_loss': history[-1]['loss'] if history else None,
-      'validation_bleu': val_bleu,
       'test_split': test_split,
       'test_bleu': test_bleu,
       'bleu_signature': signature,

@@ -311,3 +311,12 @@ def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
     result = run(action, devices)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-2:] == ['ok', str(devices)]
+
+
+def test_a_time_budget_stops_at_a_log_boundary_with_a_checkpoint(tmp_path, cfg):
+  state, _ = _train_in(tmp_path, cfg.replace(train_steps=10_000,
+                                             max_train_minutes=1e-6))
+  assert int(state.step) == cfg.log_every
+  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
+  assert checkpoints.latest_step() == cfg.log_every
+  checkpoints.close()

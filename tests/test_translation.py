@@ -220,3 +220,42 @@ def test_train_py_names_bad_translation_input(tmp_path):
   assert unknown.returncode != 0
   assert 'TFDS does not know' in unknown.stderr
   assert 'Traceback' not in unknown.stderr
+
+
+def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
+  """8 steps, stopped and resumed for 8 more (across an epoch boundary), equal
+  16 uninterrupted steps bitwise: the token batches are a function of the step."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from flaxformer_mini import checkpoints as ckpt
+  from flaxformer_mini.config import TransformerConfig
+  from flaxformer_mini.parallel import DataParallel
+  workdir, results = tiny_run
+  config = TransformerConfig(**results['config']).replace(
+      dropout_rate=0.1, log_every=4, checkpoint_every=4, eval_every=10_000)
+  splits = parallel_text.load_local(str(data_slice), ('de', 'en'),
+                                    str(workdir / 'tfds'))
+  src, tgt = experiment.pairs_of(splits['train'], ('de', 'en'))
+  model = tokenizer.load_tokenizer(str(workdir / 'spm'))
+  kept = batching.filter_pairs(
+      [np.asarray(ids, np.int32) for ids in model.encode(src)],
+      [np.asarray(ids, np.int32) for ids in model.encode(tgt)], config.max_len)
+  batches = batching.TokenBatches(kept.src, kept.tgt, config,
+                                  config.tokens_per_batch)
+  assert batches.per_epoch < 16
+
+  def run(directory, steps):
+    cfg = config.replace(train_steps=steps)
+    parallel = DataParallel(cfg)
+    checkpoints = ckpt.Checkpoints(str(directory))
+    state, rng, _ = experiment.resume_or_start(cfg, checkpoints, parallel)
+    state, _ = experiment.train(cfg, state, rng, batches.batch_at,
+                                parallel=parallel, checkpoints=checkpoints)
+    checkpoints.close()
+    return jax.tree.leaves((state.params, state.opt_state))
+
+  whole = run(tmp_path / 'whole', 16)
+  run(tmp_path / 'split', 8)
+  resumed = run(tmp_path / 'split', 16)
+  for a, b in zip(whole, resumed):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
