@@ -241,6 +241,14 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
   return state, rng, latest
 
 
+def write_results(workdir: str, results: dict) -> str:
+  """Writes WORKDIR/results.json; returns its absolute path."""
+  path = os.path.abspath(os.path.join(workdir, 'results.json'))
+  with open(path, 'w') as f:
+    json.dump(results, f, indent=2)
+  return path
+
+
 def open_run(config: TransformerConfig, workdir: str, parallel: DataParallel,
              fresh: bool):
   """WORKDIR/checkpoints, resumed from if it holds a run (set aside if fresh).
@@ -311,9 +319,7 @@ def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
     for source, output in list(zip(sources, decoded))[:4]:
       print(f'source: {" ".join(map(str, source))}\n'
             f'output: {" ".join(map(str, output))}')
-    path = os.path.abspath(os.path.join(workdir, 'results.json'))
-    with open(path, 'w') as f:
-      json.dump(results, f, indent=2)
+    path = write_results(workdir, results)
     print(f'exact match {match:.4f} after {results["steps"]} steps on '
           f'{results["devices"]} device(s), {results["wall_seconds"]:.1f} s; '
           f'results in {path}')
@@ -396,8 +402,9 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
     return evaluation.bleu(hypotheses, references)
 
   def evaluate(state: TrainState) -> tuple[float, bool]:
+    # Only the parameters go to the devices; the optimizer state is not needed.
     loss = evaluation.held_out_loss(
-        parallel, parallel.put_state(state).params, held_out)
+        parallel, parallel.put_state(state.params), held_out)
     score, _ = bleu_on(state.params, 'validation')
     evaluations.append({'step': int(state.step), 'val_loss': loss['loss'],
                         'val_perplexity': loss['perplexity'],
@@ -442,10 +449,8 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
       'wall_seconds': time.perf_counter() - start_time,
       'history': history,
   }
-  if jax.process_index() == 0:
-    path = os.path.abspath(os.path.join(workdir, 'results.json'))
-    with open(path, 'w') as f:
-      json.dump(results, f, indent=2)
+  if jax.process_index() == 0:  # one writer in a multi-host run
+    path = write_results(workdir, results)
     print(f'sacreBLEU {test_bleu:.2f} on {test_split} ({signature}) after '
           f'{results["steps"]} steps, {results["wall_seconds"]:.0f} s; '
           f'results in {path}')

@@ -151,8 +151,8 @@ class DataParallel:
         self._per_device(step), mesh=self.mesh,
         in_specs=(P(), self._batch_specs), out_specs=P(), check_vma=False))
 
-  def put_state(self, state: TrainState) -> TrainState:
-    """One replica of the state on every device (same values everywhere)."""
+  def put_state(self, state):
+    """One replica of the state (or any pytree, e.g. params) on every device."""
     if self.mode == 'pmap':
       local = jax.local_device_count()
       return jax.tree.map(
