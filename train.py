@@ -57,6 +57,10 @@ def build_parser() -> OneLineParser:
   data.add_argument('--dataset', help='TFDS name, e.g. wmt14_translate/de-en.')
   data.add_argument('--tfds_dir', help='TFDS data dir (default: '
                     'WORKDIR/tfds for local files, TFDS\'s own otherwise).')
+  parser.add_argument('--tour', action='store_true',
+                      help='print every named tensor of one forward pass on '
+                      'a batch of 2 (shapes and axes; the trained model of '
+                      '--workdir if it has one) and exit, without training.')
   parser.add_argument('--fresh', action='store_true',
                       help='set the workdir\'s checkpoints aside and start '
                       'over instead of resuming.')
@@ -86,7 +90,7 @@ def parse(argv: list[str]):
   if unknown:
     flag = unknown[0].split('=')[0]
     parser.error(f'{flag}: unknown flag; allowed: --task, --config, '
-                 '--workdir, --fresh, the data and multi-host flags, or a '
+                 '--workdir, --fresh, --tour, the data and multi-host flags, or a '
                  'config field (see --help).')
   field_names = {f.name for f in dataclasses.fields(config_lib.TransformerConfig)}
   overrides = {k: v for k, v in vars(args).items() if k in field_names}
@@ -106,6 +110,10 @@ def parse(argv: list[str]):
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
   # pylint: disable=g-import-not-at-top
+  if args.tour:
+    from flaxformer_mini import tour
+    tour.print_tour(config, args.workdir)
+    return
   from flaxformer_mini import experiment, parallel
   if args.multihost or args.coordinator_address:
     parallel.initialize_multihost(args.coordinator_address, args.num_processes,

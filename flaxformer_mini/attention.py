@@ -117,7 +117,9 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'heads', heads)
     concatenated = merge_heads(heads)
     self.sow('intermediates', 'concatenated', concatenated)
-    return nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo')(concatenated)
+    output = nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo')(concatenated)
+    self.sow('intermediates', 'output', output)
+    return output
 
   def _update_cache(self, key, value):
     """Writes the new keys/values at the cache index; returns all of them.

@@ -20,11 +20,12 @@ import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
-from flaxformer_mini import decoding
+from flaxformer_mini import decoding, logbook, plots
 from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
                                          config_differences, set_aside)
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data import copy_task
+from flaxformer_mini.logbook import Logbook
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import (DataParallel, check_divisible, host_rows,
                                       pad_rows)
@@ -88,7 +89,8 @@ class _SignalCatcher:
 def train(config: TransformerConfig, state: TrainState, rng,
           batch_at: Callable[[int], Batch], evaluate: Evaluate | None = None,
           parallel: DataParallel | None = None,
-          checkpoints: Checkpoints | None = None):
+          checkpoints: Checkpoints | None = None,
+          log: Logbook | None = None):
   """Runs the data-parallel train_step from state.step to config.train_steps.
 
   Args:
@@ -101,6 +103,7 @@ def train(config: TransformerConfig, state: TrainState, rng,
     parallel: how the step is mapped over the devices (default: every
       device, with config.parallel).
     checkpoints: where to save every `checkpoint_every` steps and at the end.
+    log: where each logged record goes as well (metrics.jsonl, TensorBoard).
 
   Returns:
     (final state, history): one dict per log with step, loss, accuracy,
@@ -157,6 +160,8 @@ def train(config: TransformerConfig, state: TrainState, rng,
               'target_tokens_per_s': float(sums['ntokens'] / seconds),
           }
           history.append(record)
+          if log is not None:
+            log.write('train', record)
           progress.set_postfix(loss=f"{record['loss']:.4f}",
                                lr=f"{record['learning_rate']:.2e}",
                                tok_s=f"{record['target_tokens_per_s']:.0f}")
@@ -253,7 +258,8 @@ def open_run(config: TransformerConfig, workdir: str, parallel: DataParallel,
              fresh: bool):
   """WORKDIR/checkpoints, resumed from if it holds a run (set aside if fresh).
 
-  Returns (checkpoints, state, dropout key, the step resumed from or 0).
+  Returns (checkpoints, state, dropout key, the step resumed from or 0,
+  the run's Logbook or None on processes other than the first).
   """
   directory = os.path.join(workdir, 'checkpoints')
   if fresh and (moved := set_aside(directory)):
@@ -262,7 +268,18 @@ def open_run(config: TransformerConfig, workdir: str, parallel: DataParallel,
   state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
   if resumed_from:
     print(f'resuming from step {resumed_from} of {checkpoints.directory}')
-  return checkpoints, state, rng, resumed_from
+  log = Logbook(workdir, resumed_from) if jax.process_index() == 0 else None
+  return checkpoints, state, rng, resumed_from, log
+
+
+def close_run(workdir: str, checkpoints: Checkpoints, log: Logbook | None,
+              title: str) -> None:
+  """Waits for the last checkpoint; closes the logbook and draws curves.png."""
+  checkpoints.close()
+  if log is not None:
+    log.close()
+    if logbook.read_records(workdir).get('train'):  # none if stopped early
+      plots.training_curves(workdir, title)
 
 
 def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
@@ -277,8 +294,8 @@ def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
   check_divisible(config.batch_size)
   os.makedirs(workdir, exist_ok=True)
   parallel = DataParallel(config, config.parallel)
-  checkpoints, state, rng, resumed_from = open_run(config, workdir, parallel,
-                                                   fresh)
+  checkpoints, state, rng, resumed_from, log = open_run(
+      config, workdir, parallel, fresh)
   decode_fn = jax.jit(functools.partial(
       decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
 
@@ -288,6 +305,8 @@ def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
                                    int(state.step), parallel)
     tqdm.tqdm.write(f'step {int(state.step)}: exact match {match:.4f} on '
                     f'{COPY_EVAL_SEQUENCES} fresh sequences')
+    if log is not None:
+      log.write('eval', {'step': int(state.step), 'exact_match': match})
     return match, match == 1.0
 
   shard = (jax.process_index(), jax.process_count())
@@ -295,9 +314,9 @@ def run_copy_task(config: TransformerConfig, workdir: str, start_time: float,
     state, history = train(
         config, state, rng,
         lambda step: copy_task.train_batch(config, step, shard), evaluate,
-        parallel, checkpoints)
+        parallel, checkpoints, log)
   finally:
-    checkpoints.close()
+    close_run(workdir, checkpoints, log, 'copy task')
   # Draw 0 is never used during training: the final score is on unseen data.
   match, sources, decoded = copy_exact_match(state.params, config, decode_fn, 0,
                                              parallel)
@@ -390,8 +409,8 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
         f'--max_len={config.max_len}')
 
   parallel = DataParallel(config, config.parallel)
-  checkpoints, state, rng, resumed_from = open_run(config, workdir, parallel,
-                                                   fresh)
+  checkpoints, state, rng, resumed_from, log = open_run(
+      config, workdir, parallel, fresh)
   evaluations = []
 
   def bleu_on(params, split):
@@ -409,6 +428,8 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
     evaluations.append({'step': int(state.step), 'val_loss': loss['loss'],
                         'val_perplexity': loss['perplexity'],
                         'val_bleu': score})
+    if log is not None:
+      log.write('eval', evaluations[-1])
     tqdm.tqdm.write(f'step {int(state.step)}: validation loss '
                     f'{loss["loss"]:.3f}, perplexity {loss["perplexity"]:.2f}, '
                     f'BLEU {score:.2f}')
@@ -418,9 +439,10 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
   try:
     state, history = train(
         config, state, rng, lambda step: train_batches.batch_at(step, shard),
-        evaluate, parallel, checkpoints)
+        evaluate, parallel, checkpoints, log)
   finally:
-    checkpoints.close()
+    close_run(workdir, checkpoints, log,
+              f'{languages[0]} -> {languages[1]} translation')
   test_bleu, signature = bleu_on(state.params, test_split)
   results = {
       'task': 'translate',

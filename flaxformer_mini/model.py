@@ -24,7 +24,9 @@ class Encoder(nn.Module):
     Returns the encoder output ("memory"): [batch, src_len, d_model].
     """
     cfg = self.config
-    x = PositionalEncoding(cfg)(self.embedding(src))
+    tokens = self.embedding(src)
+    self.sow('intermediates', 'token_embedding', tokens)
+    x = PositionalEncoding(cfg)(tokens)
     self.sow('intermediates', 'embedded', x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     for i in range(cfg.num_encoder_layers):
@@ -49,7 +51,9 @@ class Decoder(nn.Module):
     tgt_mask: bool[batch, 1, tgt_len, tgt_len] or None in decode mode.
     """
     cfg = self.config
-    y = PositionalEncoding(cfg)(self.embedding(tgt_in), decode=decode)
+    tokens = self.embedding(tgt_in)
+    self.sow('intermediates', 'token_embedding', tokens)
+    y = PositionalEncoding(cfg)(tokens, decode=decode)
     self.sow('intermediates', 'embedded', y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
     for i in range(cfg.num_decoder_layers):

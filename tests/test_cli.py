@@ -58,3 +58,10 @@ def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
   assert results['final_loss'] < 0.1
   assert results['wall_seconds'] > 0
   assert 'source:' in result.stdout and 'output:' in result.stdout
+  workdir = path.parent
+  records = [json.loads(l) for l in (workdir / 'metrics.jsonl').open()]
+  assert {r['kind'] for r in records} == {'train', 'eval'}
+  assert records[-1] == {'kind': 'eval', 'step': results['steps'],
+                         'exact_match': 1.0}
+  assert (workdir / 'curves.png').read_bytes()[:4] == b'\x89PNG'
+  assert list((workdir / 'tensorboard').glob('events.out.tfevents.*'))

@@ -1,0 +1,61 @@
+"""The run's logbook: every logged number, on disk, as JSON lines and TensorBoard.
+
+Training appends one record per log (step, loss, accuracy, learning rate,
+tokens/s) and one per evaluation (exact match, validation loss, BLEU, ...) to
+WORKDIR/metrics.jsonl and to TensorBoard event files in WORKDIR/tensorboard.
+A resumed run continues the same file: opening the logbook at step S drops
+the records past S, which the run is about to compute again.
+`flaxformer_mini.plots.training_curves` draws WORKDIR/curves.png from them.
+
+    tensorboard --logdir WORKDIR/tensorboard
+"""
+
+import json
+import os
+
+from tensorboardX import SummaryWriter
+
+RECORDS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tensorboard'
+
+
+class Logbook:
+  """Appends records {'step': int, 'kind': 'train'|'eval', name: float, ...}."""
+
+  def __init__(self, workdir: str, start_step: int = 0):
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, RECORDS_FILE)
+    kept = [json.dumps(r) + '\n' for r in _load(path) if r['step'] <= start_step]
+    with open(path, 'w') as f:
+      f.writelines(kept)
+    self._records = open(path, 'a')
+    self._tensorboard = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+
+  def write(self, kind: str, record: dict) -> None:
+    """Logs the scalar values of `record` (which holds 'step') under `kind`."""
+    step = int(record['step'])
+    self._records.write(json.dumps({'kind': kind, **record}) + '\n')
+    self._records.flush()  # a killed run keeps every record it logged
+    for name, value in record.items():
+      if name != 'step' and value is not None:
+        self._tensorboard.add_scalar(f'{kind}/{name}', value, step)
+    self._tensorboard.flush()
+
+  def close(self) -> None:
+    self._records.close()
+    self._tensorboard.close()
+
+
+def _load(path: str) -> list[dict]:
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def read_records(workdir: str) -> dict[str, list[dict]]:
+  """{kind: [record, ...] in step order} from WORKDIR/metrics.jsonl."""
+  kinds = {}
+  for record in _load(os.path.join(workdir, RECORDS_FILE)):
+    kinds.setdefault(record.pop('kind'), []).append(record)
+  return kinds

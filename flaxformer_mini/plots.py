@@ -1,0 +1,109 @@
+"""Pictures of a run: training curves and attention heatmaps (matplotlib).
+
+Figures are built with `matplotlib.figure.Figure`, not pyplot, so nothing here
+touches a global backend: the same functions serve scripts (PNG files) and
+notebooks (display the returned figure).
+
+    python -m flaxformer_mini.plots --workdir runs/copy   # -> runs/copy/curves.png
+"""
+
+import argparse
+import os
+
+from matplotlib.figure import Figure
+import numpy as np
+
+from flaxformer_mini import logbook
+
+CURVES_FILE = 'curves.png'
+# Evaluation numbers worth a panel of their own, in the order they are drawn.
+_EVAL_SCORES = ('exact_match', 'val_bleu')
+
+
+def training_curves(workdir: str, title: str | None = None) -> str:
+  """Draws WORKDIR/curves.png from WORKDIR/metrics.jsonl; returns its path.
+
+  Panels: training loss (with validation loss where evaluated), learning
+  rate, and the evaluation score (copy exact match or validation BLEU) where
+  there is one.
+  """
+  records = logbook.read_records(workdir)
+  train = records.get('train', [])
+  if not train:
+    raise ValueError(f'{workdir} has no logged training steps in '
+                     f'{logbook.RECORDS_FILE}; train first.')
+  evals = records.get('eval', [])
+  scores = [name for name in _EVAL_SCORES if any(name in e for e in evals)]
+  figure = Figure(figsize=(4.2 * (2 + len(scores)), 3.4), layout='constrained')
+  axes = figure.subplots(1, 2 + len(scores), squeeze=False)[0]
+
+  def series(rows, name):
+    rows = [r for r in rows if r.get(name) is not None]
+    return [r['step'] for r in rows], [r[name] for r in rows]
+
+  axes[0].plot(*series(train, 'loss'), label='training')
+  if any('val_loss' in e for e in evals):
+    axes[0].plot(*series(evals, 'val_loss'), 'o-', label='validation')
+  axes[0].set(title='loss per target token', xlabel='step', yscale='log')
+  axes[0].legend()
+  axes[1].plot(*series(train, 'learning_rate'))
+  axes[1].set(title='learning rate (Noam)', xlabel='step')
+  for axis, name in zip(axes[2:], scores):
+    axis.plot(*series(evals, name), 'o-')
+    axis.set(title=name.replace('_', ' '), xlabel='step')
+  if title:
+    figure.suptitle(title)
+  path = os.path.join(workdir, CURVES_FILE)
+  figure.savefig(path, dpi=110)
+  return path
+
+
+def attention_heatmaps(weights: np.ndarray, query_tokens: list[str],
+                       key_tokens: list[str], title: str = '') -> Figure:
+  """One heatmap per (layer, head) of one sentence's attention weights.
+
+  Args:
+    weights: [layers, heads, q_len, k_len] attention probabilities (each row
+      sums to 1 over the keys).
+    query_tokens: q_len labels for the rows (who is looking).
+    key_tokens: k_len labels for the columns (what is looked at).
+    title: the figure's title.
+
+  Returns:
+    A matplotlib Figure with a layers x heads grid.
+  """
+  weights = np.asarray(weights)
+  layers, heads, q_len, k_len = weights.shape
+  if (q_len, k_len) != (len(query_tokens), len(key_tokens)):
+    raise ValueError(f'weights are [{q_len}, {k_len}] per head but there are '
+                     f'{len(query_tokens)} query and {len(key_tokens)} key '
+                     'labels')
+  cell = 0.28
+  figure = Figure(figsize=(max(2.5, heads * (k_len * cell + 0.8)),
+                           max(2.5, layers * (q_len * cell + 0.8))),
+                  layout='constrained')
+  axes = figure.subplots(layers, heads, squeeze=False)
+  for layer in range(layers):
+    for head in range(heads):
+      axis = axes[layer, head]
+      axis.imshow(weights[layer, head], vmin=0, vmax=1, cmap='viridis')
+      axis.set_xticks(range(k_len), key_tokens, rotation=90, fontsize=7)
+      axis.set_yticks(range(q_len), query_tokens, fontsize=7)
+      axis.set_title(f'layer {layer} head {head}', fontsize=8)
+  if title:
+    figure.suptitle(title)
+  return figure
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(
+      prog='python -m flaxformer_mini.plots',
+      description='Draw WORKDIR/curves.png from a run\'s metrics.jsonl.')
+  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--title')
+  args = parser.parse_args(argv)
+  print(training_curves(args.workdir, args.title))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,84 @@
+"""The run's logbook (JSON lines + TensorBoard) and its pictures."""
+
+import glob
+import json
+import struct
+
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from flaxformer_mini import logbook, plots
+
+
+def _tensorboard_scalars(directory):
+  """{tag: [(step, value)]} from the TFRecord event files in directory."""
+  scalars = {}
+  for path in sorted(glob.glob(f'{directory}/events.out.tfevents.*')):
+    data = open(path, 'rb').read()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack('<Q', data[offset:offset + 8])
+      event = event_pb2.Event.FromString(
+          data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4  # length, its crc, the record, its crc
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append(
+            (event.step, value.simple_value))
+  return scalars
+
+
+def test_records_reach_jsonl_and_tensorboard(tmp_path):
+  log = logbook.Logbook(str(tmp_path))
+  for step in (10, 20):
+    log.write('train', {'step': step, 'loss': 1.0 / step,
+                        'learning_rate': 1e-3})
+  log.write('eval', {'step': 20, 'val_bleu': 12.5})
+  log.close()
+  records = logbook.read_records(str(tmp_path))
+  assert [r['step'] for r in records['train']] == [10, 20]
+  assert records['eval'] == [{'step': 20, 'val_bleu': 12.5}]
+  scalars = _tensorboard_scalars(tmp_path / logbook.TENSORBOARD_DIR)
+  assert scalars['train/loss'] == [(10, pytest.approx(0.1)),
+                                   (20, pytest.approx(0.05))]
+  assert scalars['eval/val_bleu'] == [(20, 12.5)]
+
+
+def test_a_resumed_logbook_drops_the_records_it_will_log_again(tmp_path):
+  log = logbook.Logbook(str(tmp_path))
+  for step in (10, 20, 30):
+    log.write('train', {'step': step, 'loss': 1.0})
+  log.close()
+  resumed = logbook.Logbook(str(tmp_path), start_step=20)
+  resumed.write('train', {'step': 30, 'loss': 0.5})
+  resumed.close()
+  steps_and_losses = [(r['step'], r['loss']) for r in
+                      logbook.read_records(str(tmp_path))['train']]
+  assert steps_and_losses == [(10, 1.0), (20, 1.0), (30, 0.5)]
+
+
+def test_training_curves_png(tmp_path):
+  log = logbook.Logbook(str(tmp_path))
+  for step in range(50, 501, 50):
+    log.write('train', {'step': step, 'loss': 5.0 / step ** 0.5,
+                        'learning_rate': 1e-3 * min(step / 200, 1)})
+  log.write('eval', {'step': 500, 'val_loss': 0.3, 'val_bleu': 20.0})
+  log.close()
+  path = plots.training_curves(str(tmp_path), 'test run')
+  assert path == str(tmp_path / plots.CURVES_FILE)
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_training_curves_need_records(tmp_path):
+  with pytest.raises(ValueError, match='no logged training steps'):
+    plots.training_curves(str(tmp_path))
+
+
+def test_attention_heatmaps_one_panel_per_layer_and_head():
+  weights = np.random.default_rng(0).dirichlet(np.ones(4), size=(2, 3, 5))
+  figure = plots.attention_heatmaps(weights, list('abcde'), list('wxyz'))
+  assert len(figure.axes) == 2 * 3
+  assert figure.axes[0].get_title() == 'layer 0 head 0'
+  with pytest.raises(ValueError, match='labels'):
+    plots.attention_heatmaps(weights, list('abc'), list('wxyz'))
