@@ -119,7 +119,8 @@ def _gather_cache(cache, beam_indices, batch_size: int):
 
 def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                 beam_size: int, max_len: int, alpha: float, bos_id: int,
-                eos_id: int, pad_id: int, n_best: int = 1) -> BeamSearchResult:
+                eos_id: int, pad_id: int, n_best: int = 1,
+                on_step: Callable | None = None) -> BeamSearchResult:
   """Beam search with a live and a finished pool, all in one lax.while_loop.
 
   Each step extends every live hypothesis by every token and keeps the top
@@ -143,6 +144,11 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
     alpha: length-penalty exponent (0 = raw log-probabilities).
     bos_id, eos_id, pad_id: first input token, end token, filler after eos.
     n_best: how many finished hypotheses to return per item (<= beam_size).
+    on_step: for watching the search, e.g. in the notebook: called on the
+      host (jax.debug.callback) at every step with (step, the candidates
+      int32[batch, 2 * beam, max_len + 1] with bos in column 0, their
+      log-probabilities float32[batch, 2 * beam], best first). None costs
+      nothing.
 
   Returns:
     A BeamSearchResult with [batch, n_best, ...] fields, best first.
@@ -193,6 +199,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
         _gather_beams(state['live_sequences'], top_beams),
         top_tokens[:, :, None], (0, 0, step + 1))  # [batch, 2 * beams, max_len + 1]
     is_eos = top_tokens == eos_id
+    if on_step is not None:
+      jax.debug.callback(on_step, step, top_sequences, top_log_probs)
 
     # The live pool: the best `beams` candidates that did not just end.
     live_log_probs, live_picks = jax.lax.top_k(
@@ -326,7 +334,8 @@ def default_max_len(config: TransformerConfig, src_len: int) -> int:
 
 def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
-                n_best: int = 1) -> BeamSearchResult:
+                n_best: int = 1, on_step: Callable | None = None
+                ) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.
 
   The encoder runs once; its output is expanded over the beams, and the
@@ -338,7 +347,7 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
     params: the model parameters.
     src: int32[batch, src_len], pad-filled source ids.
     config: the model's config.
-    beam_size, alpha, max_len, n_best: see `beam_search`.
+    beam_size, alpha, max_len, n_best, on_step: see `beam_search`.
     Under jax.jit, config, beam_size, alpha, max_len and n_best are static.
 
   Returns:
@@ -357,4 +366,4 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
       tokens_to_logits, init_cache(config, encoded, src_mask, max_len),
       batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
       alpha=alpha, bos_id=config.bos_id, eos_id=config.eos_id,
-      pad_id=config.pad_id, n_best=n_best)
+      pad_id=config.pad_id, n_best=n_best, on_step=on_step)

@@ -53,11 +53,12 @@ class Stop:
   Attributes:
     name: its path, e.g. 'decoder/layer_0/cross_attention/weights'.
     axes: what each dimension is, e.g. '[batch, heads, tgt_len, src_len]'.
-    value: the tensor (numpy).
+    value: the tensor (numpy), or only its jax.ShapeDtypeStruct in a tour
+      without parameters.
   """
   name: str
   axes: str
-  value: np.ndarray
+  value: np.ndarray | jax.ShapeDtypeStruct
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -103,7 +104,8 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
 
   Args:
     config: the model's config.
-    params: its parameters.
+    params: its parameters; None for shapes only (jax.eval_shape: nothing is
+      computed or allocated, so even the big model's tour is instant).
     batch: the Batch to run (src [batch, src_len], tgt_in [batch, tgt_len]).
 
   Returns:
@@ -112,9 +114,18 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
     sum, and per layer each attention block's query/key/value/scores/weights/
     heads/concatenated/output and each sublayer's output; then the logits.
   """
-  logits, state = jax.jit(lambda p, b: Transformer(config).apply(
-      {'params': p}, b.src, b.tgt_in, b.src_mask, b.tgt_mask,
-      mutable=['intermediates']))(params, batch)
+  def forward(params, batch):
+    return Transformer(config).apply(
+        {'params': params}, batch.src, batch.tgt_in, batch.src_mask,
+        batch.tgt_mask, mutable=['intermediates'])
+
+  if params is None:
+    logits, state = jax.eval_shape(lambda b: forward(
+        init_params(config, jax.random.key(0)), b), batch)
+    as_value = lambda x: x
+  else:
+    logits, state = jax.jit(forward)(params, batch)
+    as_value = np.asarray
   stops = [
       Stop('batch/src', '[batch, src_len]', np.asarray(batch.src)),
       Stop('batch/tgt_in', '[batch, tgt_len]', np.asarray(batch.tgt_in)),
@@ -129,8 +140,8 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
   named = {tuple(p for p in path if p != 'PositionalEncoding_0'): value
            for path, (value,) in flat.items()}
   for path in sorted(named, key=_forward_order):
-    stops.append(Stop('/'.join(path), _axes(path), np.asarray(named[path])))
-  stops.append(Stop('logits', '[batch, tgt_len, vocab]', np.asarray(logits)))
+    stops.append(Stop('/'.join(path), _axes(path), as_value(named[path])))
+  stops.append(Stop('logits', '[batch, tgt_len, vocab]', as_value(logits)))
   return stops
 
 

@@ -40,6 +40,28 @@ def test_beam_size_one_is_greedy(model):
   np.testing.assert_array_equal(beam.sequences[:, 0], greedy)
 
 
+def test_on_step_shows_every_steps_candidates_under_jit(model):
+  cfg, params, src = model
+  seen = []
+  record = lambda step, candidates, log_probs: seen.append(
+      (int(step), np.asarray(candidates), np.asarray(log_probs)))
+  result = jax.jit(functools.partial(
+      decoding.beam_decode, config=cfg, beam_size=2, alpha=0.0, max_len=6,
+      on_step=record))(params, src)
+  jax.effects_barrier()
+  assert [step for step, _, _ in seen] == list(range(len(seen)))
+  assert 1 <= len(seen) <= 6
+  for step, candidates, log_probs in seen:
+    assert candidates.shape == (4, 4, 7) and log_probs.shape == (4, 4)
+    assert np.all(candidates[:, :, 0] == cfg.bos_id)
+    assert np.all(candidates[:, :, step + 2:] == cfg.pad_id)
+    assert np.all(np.diff(log_probs, axis=1) <= 0)  # best first
+  # Item 0's best hypothesis was once among the candidates of its last step.
+  best = np.asarray(result.sequences[0, 0, :result.lengths[0, 0]])
+  step, candidates, _ = seen[int(result.lengths[0, 0]) - 1]
+  assert any(np.array_equal(c[1:step + 2], best) for c in candidates[0])
+
+
 def test_hypotheses_end_at_eos_are_padded_after_it_and_respect_max_len(model):
   cfg, params, src = model
   result = decoding.beam_decode(params, src, cfg, beam_size=4, alpha=0.6,

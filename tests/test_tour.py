@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flaxformer_mini import tour
+from flaxformer_mini.config import get_config
 from flaxformer_mini.model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,3 +133,17 @@ def test_the_tour_command_prints_the_table():
              if l.startswith('decoder/layer_0/cross_attention/weights '))
   assert '(2, 2, 2, 3)' in row and '[batch, heads, tgt_len, src_len]' in row
   assert lines[-1].startswith('logits') and '(2, 2, 11)' in lines[-1]
+
+
+def test_a_shapes_only_tour_of_the_base_model():
+  base = get_config('base')
+  stops = tour.tensor_tour(base, None, tour.example_batch(base))
+  shapes = {s.name: s.shape for s in stops}
+  assert shapes['encoder/layer_5/self_attention/query'] == (2, 8, 3, 64)
+  assert shapes['decoder/layer_5/cross_attention/weights'] == (2, 8, 2, 3)
+  assert shapes['logits'] == (2, 2, base.tgt_vocab_size)
+  # Every sublayer keeps [batch, len, d_model]: the stacks can be any depth.
+  for name, shape in shapes.items():
+    if '/after_' in name:
+      assert shape[-1] == base.d_model and shape == shapes[
+          name.split('/')[0] + '/embedded']
