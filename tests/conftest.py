@@ -6,6 +6,7 @@ compiled program is far cheaper than compiling it again on a 2-core machine.
 """
 
 import functools
+import gzip
 import os
 import tempfile
 
@@ -24,6 +25,42 @@ from flaxformer_mini.data import copy_task
 from flaxformer_mini.masks import make_batch
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state, init_params
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where CI keeps the real data: ../shared/data/multi30k beside the project.
+MULTI30K = os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')
+
+
+def multi30k_lines(split, lang, count=None):
+  with gzip.open(os.path.join(MULTI30K, f'{split}.{lang}.gz'), 'rt',
+                 encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  return lines[:count] if count else lines
+
+
+@pytest.fixture(scope='session')
+def data_slice(tmp_path_factory):
+  """300 training pairs (plus an empty and an overlong one), 30 val, 30 test.
+
+  Written half gzipped, half plain, as the builder reads both.
+  """
+  if not os.path.isdir(MULTI30K):
+    pytest.skip(f'Multi30k is not at {MULTI30K}')
+  directory = tmp_path_factory.mktemp('slice')
+  for split, count in (('train', 300), ('val', 30), ('test_2016_flickr', 30)):
+    for lang in ('de', 'en'):
+      lines = multi30k_lines(split, lang, count)
+      if split == 'train':
+        lines += ['', ' '.join(['Wort'] * 200)]
+      text = '\n'.join(lines) + '\n'
+      if split == 'val':
+        (directory / f'{split}.{lang}').write_text(text, encoding='utf-8')
+      else:
+        with gzip.open(directory / f'{split}.{lang}.gz', 'wt',
+                       encoding='utf-8') as f:
+          f.write(text)
+  return directory
 
 
 @pytest.fixture(scope='session')

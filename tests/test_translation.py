@@ -17,43 +17,12 @@ import pytest
 from flaxformer_mini import evaluation, experiment
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import batching, parallel_text, tokenizer
+from conftest import MULTI30K, multi30k_lines as _lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MULTI30K = os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')
 needs_multi30k = pytest.mark.skipif(
     not os.path.isdir(MULTI30K),
     reason=f'Multi30k is not at {MULTI30K} (see the README: Real data)')
-
-
-def _lines(split, lang, count=None):
-  with gzip.open(os.path.join(MULTI30K, f'{split}.{lang}.gz'), 'rt',
-                 encoding='utf-8') as f:
-    lines = f.read().splitlines()
-  return lines[:count] if count else lines
-
-
-@pytest.fixture(scope='module')
-def data_slice(tmp_path_factory):
-  """300 training pairs (plus an empty and an overlong one), 30 val, 30 test.
-
-  Written half gzipped, half plain, as the builder reads both.
-  """
-  if not os.path.isdir(MULTI30K):
-    pytest.skip(f'Multi30k is not at {MULTI30K}')
-  directory = tmp_path_factory.mktemp('slice')
-  for split, count in (('train', 300), ('val', 30), ('test_2016_flickr', 30)):
-    for lang in ('de', 'en'):
-      lines = _lines(split, lang, count)
-      if split == 'train':
-        lines += ['', ' '.join(['Wort'] * 200)]
-      text = '\n'.join(lines) + '\n'
-      if split == 'val':
-        (directory / f'{split}.{lang}').write_text(text, encoding='utf-8')
-      else:
-        with gzip.open(directory / f'{split}.{lang}.gz', 'wt',
-                       encoding='utf-8') as f:
-          f.write(text)
-  return directory
 
 
 @needs_multi30k
