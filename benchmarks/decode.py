@@ -10,9 +10,6 @@ JSON object.
 
 import argparse
 import functools
-import json
-import platform
-import statistics
 import time
 
 import jax
@@ -24,6 +21,8 @@ from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
+
+import common
 
 
 def decode_without_eos(params, src, config, beam_size: int, gen_len: int):
@@ -63,12 +62,8 @@ def measure(config, params, src, beam_size: int, gen_len: int, repeats: int):
   first_run_s = time.perf_counter() - start
   assert out.shape == (src.shape[0], gen_len)
   assert not np.any(np.asarray(out) == config.eos_id)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(params, src))
-    times.append(time.perf_counter() - start)
-  seconds = statistics.median(times)
+  seconds = common.median_seconds(
+      lambda: jax.block_until_ready(compiled(params, src)), repeats)
   batch = src.shape[0]
   return {
       'beam': beam_size,
@@ -96,12 +91,9 @@ def main():
       3, config.src_vocab_size, (args.batch, args.src_len)), jnp.int32)
   runs = [measure(config, params, src, beam, args.gen_len, args.repeats)
           for beam in args.beam]
-  print(json.dumps({
-      'benchmark': 'decode', 'config': args.config, 'batch': args.batch,
-      'src_len': args.src_len, 'gen_len': args.gen_len,
-      'backend': jax.default_backend(), 'devices': jax.device_count(),
-      'jax': jax.__version__, 'machine': platform.processor() or
-      platform.machine(), 'runs': runs}, indent=2))
+  common.emit({'benchmark': 'decode', 'config': args.config,
+               'batch': args.batch, 'src_len': args.src_len,
+               'gen_len': args.gen_len, 'runs': runs})
 
 
 if __name__ == '__main__':

@@ -1,0 +1,38 @@
+"""What every benchmark shares: timing, the machine's description, JSON out."""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+
+
+def environment() -> dict:
+  """The machine and versions a figure was measured on."""
+  return {
+      'backend': jax.default_backend(),
+      'devices': jax.device_count(),
+      'device_kind': jax.devices()[0].device_kind,
+      'cpu_count': os.cpu_count(),
+      'machine': platform.processor() or platform.machine(),
+      'jax': jax.__version__,
+      'date': datetime.date.today().isoformat(),
+  }
+
+
+def median_seconds(run, repeats: int) -> float:
+  """Median wall time of `run()`, which must block until its work is done."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def emit(result: dict) -> None:
+  """Prints the benchmark's one JSON object."""
+  print(json.dumps({**result, 'environment': environment()}, indent=2))

@@ -1,0 +1,131 @@
+"""Training-step throughput and MFU of the project's real training step.
+
+  python benchmarks/train_step.py --config small --pad full
+  python benchmarks/train_step.py --config base --pad pad20 --peak_gflops 90
+
+The step is the one `train.py` runs: `DataParallel.train_step` over every
+device (label-smoothed KL with eps 0.1, dropout 0.1, Adam + the Noam
+schedule, donated state), on fixed synthetic batches of random token ids.
+`--pad full`: every sentence has the full length; `pad20`: each sentence's
+length is uniform in [0.6 L, L] (about 20 % padding). Compile time is the
+ahead-of-time lower + compile, apart; `step_s` is the median of --steps steps
+after a warm-up, each run to completion.
+
+FLOPs (README, "Performance"): 3 x forward, forward = 2 x matmul parameters x
+positions + 4 x batch x d_model x layers x (Ls^2 + Lt^2 + Lt Ls), over all
+positions, pad included. MFU divides by the measured matmul peak
+(benchmarks/peak.py; measured here unless --peak_gflops is given).
+"""
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from flaxformer_mini.config import get_config
+from flaxformer_mini.masks import make_batch
+from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.training import create_train_state
+
+import common
+import peak
+
+# The issue's fixed shapes: (sentences per batch, source = target length).
+SHAPES = {'small': (64, 32), 'base': (16, 64)}
+
+
+def model_flops_per_step(config, batch: int, src_len: int,
+                         tgt_len: int) -> float:
+  """3 x the forward FLOPs of one batch, counted over all positions."""
+  d, d_ff = config.d_model, config.d_ff
+  encoder = config.num_encoder_layers * (4 * d * d + 2 * d * d_ff)
+  decoder = (config.num_decoder_layers * (8 * d * d + 2 * d * d_ff) +
+             d * config.tgt_vocab_size)  # + the output projection
+  matmuls = 2 * (encoder * batch * src_len + decoder * batch * tgt_len)
+  attention = 4 * batch * d * (
+      config.num_encoder_layers * src_len**2 +
+      config.num_decoder_layers * (tgt_len**2 + tgt_len * src_len))
+  return 3.0 * (matmuls + attention)
+
+
+def synthetic_batches(config, batch: int, length: int, pad: str,
+                      count: int = 4):
+  """`count` Batches of random ids; sentence lengths per --pad."""
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(count):
+    lengths = (np.full(batch, length) if pad == 'full' else
+               rng.integers(int(0.6 * length), length + 1, batch))
+    src = np.full((batch, length), config.pad_id, np.int32)
+    tgt = np.full((batch, length + 1), config.pad_id, np.int32)
+    tgt[:, 0] = config.bos_id
+    for row, n in enumerate(lengths):
+      src[row, :n] = rng.integers(3, config.src_vocab_size, n)
+      tgt[row, 1:n] = rng.integers(3, config.tgt_vocab_size, n - 1)
+      tgt[row, n] = config.eos_id
+    batches.append(make_batch(src, tgt, config))
+  return batches
+
+
+def measure(config, batch: int, length: int, pad: str, steps: int,
+            peak_gflops: float) -> dict:
+  parallel = DataParallel(config, config.parallel)
+  init_rng, dropout_rng = jax.random.split(jax.random.key(0))
+  state = parallel.put_state(create_train_state(config, init_rng))
+  host_batches = synthetic_batches(config, batch, length, pad)
+  batches = [parallel.put_batch(b) for b in host_batches]
+  start = time.perf_counter()
+  step = parallel.train_step.lower(state, batches[0], dropout_rng).compile()
+  compile_s = time.perf_counter() - start
+  for i in range(2):  # warm-up
+    state, metrics = step(state, batches[i % len(batches)], dropout_rng)
+  jax.block_until_ready(state)
+
+  times = []
+  for i in range(steps):
+    start = time.perf_counter()
+    state, metrics = step(state, batches[i % len(batches)], dropout_rng)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+  step_s = float(np.median(times))
+  real = np.mean([int((np.asarray(b.src) != config.pad_id).sum()) +
+                  int(b.ntokens) for b in host_batches])
+  target = np.mean([int(b.ntokens) for b in host_batches])
+  flops = model_flops_per_step(config, batch, length, length)
+  return {
+      'compile_s': compile_s,
+      'step_s': step_s,
+      'tokens_per_s': real / step_s,
+      'target_tokens_per_s': target / step_s,
+      'gflop_per_step': flops / 1e9,
+      'mfu': flops / step_s / 1e9 / peak_gflops,
+      'peak_gflops': peak_gflops,
+      'padding': 1 - real / (2 * batch * length),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--config', default='small', choices=sorted(SHAPES))
+  parser.add_argument('--pad', default='full', choices=['full', 'pad20'])
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--dtype', default='float32',
+                      choices=['float32', 'bfloat16'])
+  parser.add_argument('--peak_gflops', type=float,
+                      help='the matmul peak for MFU (default: measure it)')
+  args = parser.parse_args()
+  batch, length = SHAPES[args.config]
+  config = get_config(args.config).replace(
+      dropout_rate=0.1, label_smoothing=0.1, batch_size=batch,
+      max_len=max(length + 1, 64), dtype=args.dtype)
+  peak_gflops = args.peak_gflops or peak.measure()['peak_gflops'][args.dtype]
+  common.emit({'benchmark': 'train_step', 'config': args.config,
+               'pad': args.pad, 'batch': batch, 'length': length,
+               'dtype': args.dtype,
+               **measure(config, batch, length, args.pad, args.steps,
+                         peak_gflops)})
+
+
+if __name__ == '__main__':
+  main()
