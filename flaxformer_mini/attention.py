@@ -67,11 +67,17 @@ def merge_heads(x):
 class MultiHeadAttention(nn.Module):
   """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O.
 
-  In decode mode (self-attention only) the keys and values of the tokens seen
-  so far are kept in the 'cache' collection, so each call processes only the
-  new token(s) and attends to everything before them.
+  In decode mode self-attention keeps the keys and values of the tokens seen
+  so far in the 'cache' collection, so each call processes only the new
+  token(s) and attends to everything before them. Encoder-decoder attention
+  (`from_memory=True`) attends to the encoder output, which is fixed for the
+  whole search: in decode mode it reads its keys and values from the 'memory'
+  collection when they were projected once beforehand (see
+  `decoding.project_memory`), instead of projecting the encoder output again
+  at every step.
   """
   config: TransformerConfig
+  from_memory: bool = False
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv, mask=None, deterministic: bool = True,
@@ -83,10 +89,12 @@ class MultiHeadAttention(nn.Module):
       inputs_kv: [batch, k_len, d_model], where the keys and values come from
         (the same tensor for self-attention; the encoder output for the
         decoder's second block).
-      mask: bool, broadcastable to [batch, heads, q_len, k_len]. Ignored in
-        decode mode, where the cache supplies the causal mask.
+      mask: bool, broadcastable to [batch, heads, q_len, k_len]. Ignored by
+        self-attention in decode mode, where the cache supplies the causal mask.
       deterministic: disables dropout.
-      decode: use and update the key/value cache (self-attention only).
+      decode: self-attention uses and updates the key/value cache;
+        attention from memory uses the 'memory' collection where present and
+        stores its projections there where it is mutable.
 
     Returns:
       [batch, q_len, d_model].
@@ -99,13 +107,20 @@ class MultiHeadAttention(nn.Module):
     projection = lambda name, bias=True: nn.Dense(
         cfg.d_model, use_bias=bias, dtype=cfg.dtype, name=name)
     query = split_heads(projection('wq')(inputs_q), cfg.num_heads)
-    key = split_heads(projection('wk', bias=False)(inputs_kv), cfg.num_heads)
-    value = split_heads(projection('wv')(inputs_kv), cfg.num_heads)
+    if decode and self.from_memory and self.has_variable('memory', 'key'):
+      key = self.get_variable('memory', 'key')
+      value = self.get_variable('memory', 'value')
+    else:
+      key = split_heads(projection('wk', bias=False)(inputs_kv), cfg.num_heads)
+      value = split_heads(projection('wv')(inputs_kv), cfg.num_heads)
+      if decode and self.from_memory and self.is_mutable_collection('memory'):
+        self.put_variable('memory', 'key', key)
+        self.put_variable('memory', 'value', value)
     self.sow('intermediates', 'query', query)
     self.sow('intermediates', 'key', key)
     self.sow('intermediates', 'value', value)
 
-    if decode:
+    if decode and not self.from_memory:
       key, value, mask = self._update_cache(key, value)
 
     dropout_layer = nn.Dropout(cfg.attention_dropout_rate)

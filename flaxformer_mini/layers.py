@@ -95,14 +95,16 @@ class DecoderLayer(nn.Module):
       [batch, tgt_len, d_model].
     """
     self_attention = MultiHeadAttention(self.config, name='self_attention')
-    cross_attention = MultiHeadAttention(self.config, name='cross_attention')
+    cross_attention = MultiHeadAttention(self.config, from_memory=True,
+                                         name='cross_attention')
     feed_forward = FeedForward(self.config, name='feed_forward')
     y = AddAndNorm(self.config, name='self_attention_norm')(
         y, lambda z: self_attention(z, z, tgt_mask, deterministic, decode),
         deterministic)
     self.sow('intermediates', 'after_self_attention', y)
     y = AddAndNorm(self.config, name='cross_attention_norm')(
-        y, lambda z: cross_attention(z, encoded, src_mask, deterministic),
+        y, lambda z: cross_attention(z, encoded, src_mask, deterministic,
+                                     decode),
         deterministic)
     self.sow('intermediates', 'after_cross_attention', y)
     y = AddAndNorm(self.config, name='feed_forward_norm')(

@@ -46,6 +46,33 @@ def test_cached_decoding_equals_the_full_forward_pass(setup, pre_norm):
     np.testing.assert_allclose(logits, full[:, t], rtol=1e-5, atol=1e-5)
 
 
+def test_the_encoder_output_is_projected_once_not_at_every_step(setup):
+  cfg, params, src = setup
+  src_mask = padding_mask(src, cfg.pad_id)
+  model = Transformer(cfg)
+  encoded = model.apply({'params': params}, src, src_mask,
+                        method=Transformer.encode)
+  memory = decoding.project_memory(params, cfg, encoded, src_mask)
+  for layer in range(cfg.num_decoder_layers):
+    entry = memory['decoder'][f'layer_{layer}']['cross_attention']
+    assert entry['key'].shape == entry['value'].shape == (3, 4, 6, 4)
+  cache = decoding.init_cache(cfg, encoded, src_mask, max_len=4)
+  tokens = jnp.full((3, 1), cfg.bos_id, jnp.int32)
+
+  def step(variables):
+    return model.apply(variables, encoded, src_mask, tokens, decode=True,
+                       mutable=['cache'], method=Transformer.decode)
+
+  with_memory = {'params': params, 'cache': cache, 'memory': memory}
+  without = {'params': params, 'cache': cache}
+  np.testing.assert_allclose(step(with_memory)[0], step(without)[0],
+                             rtol=1e-6, atol=1e-6)
+  # Without memory each layer projects the encoder output (W^K, W^V) again.
+  def matmuls(variables):
+    return str(jax.make_jaxpr(step)(variables)).count('dot_general')
+  assert matmuls(without) - matmuls(with_memory) == 2 * cfg.num_decoder_layers
+
+
 def test_greedy_equals_a_naive_loop_over_the_full_model(setup):
   cfg, params, src = setup
   max_len = 6
