@@ -57,6 +57,13 @@ def build_parser() -> OneLineParser:
   data.add_argument('--dataset', help='TFDS name, e.g. wmt14_translate/de-en.')
   data.add_argument('--tfds_dir', help='TFDS data dir (default: '
                     'WORKDIR/tfds for local files, TFDS\'s own otherwise).')
+  parser.add_argument(
+      '--compilation_cache', default=os.environ.get(
+          'JAX_COMPILATION_CACHE_DIR', os.path.join(
+              os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla')),
+      help='persistent XLA compilation cache: a rerun loads the compiled '
+      'programs instead of compiling them again ("" turns it off; default '
+      '%(default)s).')
   parser.add_argument('--tour', action='store_true',
                       help='print every named tensor of one forward pass on '
                       'a batch of 2 (shapes and axes; the trained model of '
@@ -90,8 +97,8 @@ def parse(argv: list[str]):
   if unknown:
     flag = unknown[0].split('=')[0]
     parser.error(f'{flag}: unknown flag; allowed: --task, --config, '
-                 '--workdir, --fresh, --tour, the data and multi-host flags, or a '
-                 'config field (see --help).')
+                 '--workdir, --fresh, --tour, --compilation_cache, the data '
+                 'and multi-host flags, or a config field (see --help).')
   field_names = {f.name for f in dataclasses.fields(config_lib.TransformerConfig)}
   overrides = {k: v for k, v in vars(args).items() if k in field_names}
   try:
@@ -110,6 +117,10 @@ def parse(argv: list[str]):
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
   # pylint: disable=g-import-not-at-top
+  if args.compilation_cache:
+    import jax
+    jax.config.update('jax_compilation_cache_dir', args.compilation_cache)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   if args.tour:
     from flaxformer_mini import tour
     tour.print_tour(config, args.workdir)

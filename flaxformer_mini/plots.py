@@ -11,6 +11,7 @@ import argparse
 import os
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 import numpy as np
 
 from flaxformer_mini import logbook
@@ -45,6 +46,9 @@ def training_curves(workdir: str, title: str | None = None) -> str:
   if any('val_loss' in e for e in evals):
     axes[0].plot(*series(evals, 'val_loss'), 'o-', label='validation')
   axes[0].set(title='loss per target token', xlabel='step', yscale='log')
+  plain = FuncFormatter(lambda value, _: f'{value:g}')  # 2, not 2 x 10^0
+  axes[0].yaxis.set_major_formatter(plain)
+  axes[0].yaxis.set_minor_formatter(plain)
   axes[0].legend()
   axes[1].plot(*series(train, 'learning_rate'))
   axes[1].set(title='learning rate (Noam)', xlabel='step')
