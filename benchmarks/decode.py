@@ -6,6 +6,11 @@ Random weights, batch 32, source length 32, exactly --gen_len generated tokens
 per sentence: eos is made impossible (its logit is -inf) so that every run does
 the same work. Compile time is reported apart from the steady state. Prints one
 JSON object.
+
+The Flax WMT example (benchmarks/flax_wmt.py) decodes the same sources with
+its own model and beam_search (beam > 1) or a cached greedy loop over its
+model (beam 1), in the same process; `speedup` is its time over ours.
+--no_baseline skips it.
 """
 
 import argparse
@@ -23,6 +28,7 @@ from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
 
 import common
+import flax_wmt
 
 
 def decode_without_eos(params, src, config, beam_size: int, gen_len: int):
@@ -51,22 +57,19 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int):
       max_len=gen_len, alpha=0.6, **ids).sequences[:, 0]
 
 
-def measure(config, params, src, beam_size: int, gen_len: int, repeats: int):
-  fn = jax.jit(functools.partial(decode_without_eos, config=config,
-                                 beam_size=beam_size, gen_len=gen_len))
+def _timed(fn, params, src, gen_len: int, repeats: int, eos_id: int):
   start = time.perf_counter()
-  compiled = fn.lower(params, src).compile()
+  compiled = jax.jit(fn).lower(params, src).compile()
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   out = jax.block_until_ready(compiled(params, src))
   first_run_s = time.perf_counter() - start
-  assert out.shape == (src.shape[0], gen_len)
-  assert not np.any(np.asarray(out) == config.eos_id)
+  assert out.shape == (src.shape[0], gen_len), out.shape
+  assert not np.any(np.asarray(out) == eos_id)
   seconds = common.median_seconds(
       lambda: jax.block_until_ready(compiled(params, src)), repeats)
   batch = src.shape[0]
   return {
-      'beam': beam_size,
       'compile_s': compile_s,
       'first_call_s': compile_s + first_run_s,
       'decode_s': seconds,
@@ -74,6 +77,21 @@ def measure(config, params, src, beam_size: int, gen_len: int, repeats: int):
       'sentences_per_s': batch / seconds,
       'generated_tokens_per_s': batch * gen_len / seconds,
   }
+
+
+def measure(config, params, baseline_params, src, beam_size: int,
+            gen_len: int, repeats: int):
+  run = functools.partial(decode_without_eos, config=config,
+                          beam_size=beam_size, gen_len=gen_len)
+  result = {'beam': beam_size, **_timed(run, params, src, gen_len, repeats,
+                                        config.eos_id)}
+  if baseline_params is not None:
+    theirs = functools.partial(flax_wmt.decode_without_eos, config=config,
+                               beam_size=beam_size, gen_len=gen_len)
+    result['flax_wmt'] = _timed(theirs, baseline_params, src, gen_len,
+                                repeats, config.eos_id)
+    result['speedup'] = result['flax_wmt']['decode_s'] / result['decode_s']
+  return result
 
 
 def main():
@@ -84,13 +102,20 @@ def main():
   parser.add_argument('--src_len', type=int, default=32)
   parser.add_argument('--gen_len', type=int, default=32)
   parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--no_baseline', action='store_true',
+                      help="skip the Flax WMT example's decoding")
   args = parser.parse_args()
   config = get_config(args.config).replace(dropout_rate=0.0)
   params = init_params(config, jax.random.key(0))
   src = jnp.asarray(np.random.default_rng(0).integers(
       3, config.src_vocab_size, (args.batch, args.src_len)), jnp.int32)
-  runs = [measure(config, params, src, beam, args.gen_len, args.repeats)
-          for beam in args.beam]
+  baseline_params = None
+  if not args.no_baseline:
+    models, _ = flax_wmt.load()
+    baseline_params = flax_wmt.create_state(
+        models, config, jax.random.key(0)).params
+  runs = [measure(config, params, baseline_params, src, beam, args.gen_len,
+                  args.repeats) for beam in args.beam]
   common.emit({'benchmark': 'decode', 'config': args.config,
                'batch': args.batch, 'src_len': args.src_len,
                'gen_len': args.gen_len, 'runs': runs})

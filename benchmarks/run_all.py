@@ -39,8 +39,9 @@ def table(results: list[dict]) -> str:
       f"{peak['float32']['4096']:.0f}).",
       '',
       '| benchmark | config | variant | compile s | step s | tokens/s | '
-      'target tokens/s | GFLOP/step | MFU |',
-      '|---|---|---|---:|---:|---:|---:|---:|---:|',
+      'target tokens/s | GFLOP/step | MFU | Flax WMT: compile s, step s, '
+      'MFU | speed-up |',
+      '|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|',
   ]
   for r in rest:
     if r['benchmark'] == 'train_step':
@@ -48,10 +49,11 @@ def table(results: list[dict]) -> str:
           f"| train step | {r['config']} | {r['pad']} | {r['compile_s']:.1f} | "
           f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
           f"{r['target_tokens_per_s']:,.0f} | {r['gflop_per_step']:.1f} | "
-          f"{r['mfu']:.0%} |")
+          f"{r['mfu']:.0%} | {_baseline(r)} |")
   lines += ['', '| benchmark | config | search | compile s | first call s | '
-            'step s | sentences/s | generated tokens/s |',
-            '|---|---|---|---:|---:|---:|---:|---:|']
+            'step s | sentences/s | generated tokens/s | Flax WMT: '
+            'sentences/s | speed-up |',
+            '|---|---|---|---:|---:|---:|---:|---:|---:|---:|']
   for r in rest:
     if r['benchmark'] == 'decode':
       for d in r['runs']:
@@ -59,14 +61,28 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| decode | {r['config']} | {search} | {d['compile_s']:.1f} | "
             f"{d['first_call_s']:.1f} | {d['step_s'] * 1e3:.1f} ms | "
-            f"{d['sentences_per_s']:.0f} | {d['generated_tokens_per_s']:,.0f} |")
+            f"{d['sentences_per_s']:.0f} | {d['generated_tokens_per_s']:,.0f} | "
+            f"{d['flax_wmt']['sentences_per_s']:.0f} | {d['speedup']:.2f}x |")
   for r in rest:
     if r['benchmark'] == 'copy_task':
       run_ = r['runs'][0]
       lines += ['', f"Copy task (`python train.py --task=copy`, process start "
                 f"to exit): {run_['wall_s']:.1f} s, exact match "
                 f"{run_['exact_match']:.0%} after {run_['steps']} steps."]
+    if r['benchmark'] == 'levers':
+      lines += ['', '| lever | with s | without s | speed-up | kept |',
+                '|---|---:|---:|---:|---|']
+      for name, lever in r['levers'].items():
+        lines.append(f"| {name} | {lever['with_s']:.4f} | "
+                     f"{lever['without_s']:.4f} | {lever['speedup']:.2f}x | "
+                     f"{'yes' if lever['kept'] else 'no'} |")
   return '\n'.join(lines)
+
+
+def _baseline(r: dict) -> str:
+  theirs = r['flax_wmt']
+  return (f"{theirs['compile_s']:.1f}, {theirs['step_s']:.3f}, "
+          f"{theirs['mfu']:.0%} | {r['speedup']:.2f}x")
 
 
 def main():
@@ -83,6 +99,7 @@ def main():
   for config in ('small', 'base'):
     results.append(run('decode.py', f'--config={config}', '--beam', '1', '4'))
   results.append(run('copy_task.py'))
+  results.append(run('levers.py'))
   print(json.dumps(results, indent=2))
   if not args.no_readme:
     with open(README) as f:

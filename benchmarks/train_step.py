@@ -15,6 +15,11 @@ FLOPs (README, "Performance"): 3 x forward, forward = 2 x matmul parameters x
 positions + 4 x batch x d_model x layers x (Ls^2 + Lt^2 + Lt Ls), over all
 positions, pad included. MFU divides by the measured matmul peak
 (benchmarks/peak.py; measured here unless --peak_gflops is given).
+
+The Flax WMT example's model (benchmarks/flax_wmt.py) runs on the same
+batches in the same process, its steps interleaved with ours so that both
+see the same machine; `speedup` is its step time over ours. --no_baseline
+skips it.
 """
 
 import argparse
@@ -29,6 +34,7 @@ from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
 
 import common
+import flax_wmt
 import peak
 
 # The issue's fixed shapes: (sentences per batch, source = target length).
@@ -68,41 +74,60 @@ def synthetic_batches(config, batch: int, length: int, pad: str,
   return batches
 
 
+def _compiled(step, state, batch, rng):
+  start = time.perf_counter()
+  compiled = step.lower(state, batch, rng).compile()
+  return compiled, time.perf_counter() - start
+
+
 def measure(config, batch: int, length: int, pad: str, steps: int,
-            peak_gflops: float) -> dict:
+            peak_gflops: float, baseline: bool) -> dict:
+  """Our step (and the baseline's), interleaved; medians of `steps` steps."""
   parallel = DataParallel(config, config.parallel)
   init_rng, dropout_rng = jax.random.split(jax.random.key(0))
-  state = parallel.put_state(create_train_state(config, init_rng))
   host_batches = synthetic_batches(config, batch, length, pad)
-  batches = [parallel.put_batch(b) for b in host_batches]
-  start = time.perf_counter()
-  step = parallel.train_step.lower(state, batches[0], dropout_rng).compile()
-  compile_s = time.perf_counter() - start
-  for i in range(2):  # warm-up
-    state, metrics = step(state, batches[i % len(batches)], dropout_rng)
-  jax.block_until_ready(state)
+  ours = {'state': parallel.put_state(create_train_state(config, init_rng)),
+          'batches': [parallel.put_batch(b) for b in host_batches]}
+  ours['step'], ours['compile_s'] = _compiled(
+      parallel.train_step, ours['state'], ours['batches'][0], dropout_rng)
+  runs = {'ours': ours}
+  if baseline:
+    models, _ = flax_wmt.load()
+    theirs = {'state': flax_wmt.create_state(models, config, init_rng),
+              'batches': [jax.device_put(b) for b in host_batches]}
+    theirs['step'], theirs['compile_s'] = _compiled(
+        flax_wmt.jitted_train_step(config), theirs['state'],
+        theirs['batches'][0], dropout_rng)
+    runs['flax_wmt'] = theirs
 
-  times = []
-  for i in range(steps):
-    start = time.perf_counter()
-    state, metrics = step(state, batches[i % len(batches)], dropout_rng)
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - start)
-  step_s = float(np.median(times))
+  for i in range(2 + steps):  # two warm-up steps, then the timed ones
+    for run in runs.values():
+      start = time.perf_counter()
+      run['state'], metrics = run['step'](
+          run['state'], run['batches'][i % len(host_batches)], dropout_rng)
+      jax.block_until_ready((run['state'], metrics))
+      if i >= 2:
+        run.setdefault('times', []).append(time.perf_counter() - start)
+
   real = np.mean([int((np.asarray(b.src) != config.pad_id).sum()) +
                   int(b.ntokens) for b in host_batches])
   target = np.mean([int(b.ntokens) for b in host_batches])
   flops = model_flops_per_step(config, batch, length, length)
-  return {
-      'compile_s': compile_s,
-      'step_s': step_s,
-      'tokens_per_s': real / step_s,
-      'target_tokens_per_s': target / step_s,
-      'gflop_per_step': flops / 1e9,
-      'mfu': flops / step_s / 1e9 / peak_gflops,
-      'peak_gflops': peak_gflops,
-      'padding': 1 - real / (2 * batch * length),
-  }
+
+  def figures(run):
+    step_s = float(np.median(run['times']))
+    return {'compile_s': run['compile_s'], 'step_s': step_s,
+            'tokens_per_s': real / step_s,
+            'target_tokens_per_s': target / step_s,
+            'mfu': flops / step_s / 1e9 / peak_gflops}
+
+  result = {**figures(ours), 'gflop_per_step': flops / 1e9,
+            'peak_gflops': peak_gflops,
+            'padding': 1 - real / (2 * batch * length)}
+  if baseline:
+    result['flax_wmt'] = figures(runs['flax_wmt'])
+    result['speedup'] = result['flax_wmt']['step_s'] / result['step_s']
+  return result
 
 
 def main():
@@ -112,6 +137,8 @@ def main():
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--dtype', default='float32',
                       choices=['float32', 'bfloat16'])
+  parser.add_argument('--no_baseline', action='store_true',
+                      help='skip the Flax WMT example\'s step')
   parser.add_argument('--peak_gflops', type=float,
                       help='the matmul peak for MFU (default: measure it)')
   args = parser.parse_args()
@@ -124,7 +151,7 @@ def main():
                'pad': args.pad, 'batch': batch, 'length': length,
                'dtype': args.dtype,
                **measure(config, batch, length, args.pad, args.steps,
-                         peak_gflops)})
+                         peak_gflops, not args.no_baseline)})
 
 
 if __name__ == '__main__':

@@ -1,0 +1,212 @@
+"""What each speed lever buys: every one measured on and off, in one process.
+
+  python benchmarks/levers.py [--config small]
+
+Each lever is timed against its alternative on the same inputs, the two
+interleaved (median of --repeats), and reported as `speedup` = time without
+the lever / time with it. Levers the project keeps are marked `kept`; the
+fused QKV projection is measured and not kept (it loses on CPU).
+
+- cross_attention_memory: decoding projects the encoder output through W^K,
+  W^V once (decoding.project_memory) instead of at every step. Greedy search,
+  batch 32, 32 tokens.
+- two_stage_top_k: beam search's top 2k of beam x vocab as a top-k per beam
+  then over beams, against one top-k over beam x vocab. [32, 4, vocab].
+- closed_form_loss: the label-smoothed KL from log-probabilities, against
+  materialising the smoothed one-hot target [batch, len, vocab]; loss +
+  gradient w.r.t. the logits.
+- donated_state: the training step donates its input state (buffers reused
+  in place), against a step that does not.
+- fused_qkv: one [d, 3d] projection instead of three [d, d] (forward +
+  backward on [batch * len, d]).
+- compilation_cache: `train.py --task=copy` wall time with a warm persistent
+  compilation cache against a cold one (separate processes).
+"""
+
+import argparse
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_mini import decoding, losses
+from flaxformer_mini.config import get_config
+from flaxformer_mini.masks import padding_mask
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import create_train_state, init_params, train_step
+
+import common
+import train_step as train_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compare(with_lever, without_lever, repeats: int) -> dict:
+  """Interleaved medians of two blocking callables (each warmed up once)."""
+  with_lever(), without_lever()
+  times = {'with': [], 'without': []}
+  for _ in range(repeats):
+    for name, run in (('with', with_lever), ('without', without_lever)):
+      start = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - start)
+  with_s, without_s = (float(np.median(times[k])) for k in ('with', 'without'))
+  return {'with_s': with_s, 'without_s': without_s,
+          'speedup': without_s / with_s}
+
+
+def cross_attention_memory(config, repeats):
+  params = init_params(config, jax.random.key(0))
+  src = jnp.asarray(np.random.default_rng(0).integers(
+      3, config.src_vocab_size, (32, 32)), jnp.int32)
+  model = Transformer(config)
+
+  def greedy(params, src, use_memory):
+    src_mask = padding_mask(src, config.pad_id)
+    encoded = model.apply({'params': params}, src, src_mask,
+                          method=Transformer.encode)
+    extra = ({'memory': decoding.project_memory(params, config, encoded,
+                                                src_mask)}
+             if use_memory else {})
+
+    def step(tokens, cache):
+      logits, variables = model.apply(
+          {'params': params, 'cache': cache, **extra}, encoded, src_mask,
+          tokens, decode=True, mutable=['cache'], method=Transformer.decode)
+      return logits[:, -1].at[:, config.eos_id].set(-jnp.inf), variables[
+          'cache']
+
+    return decoding.greedy_search(
+        step, decoding.init_cache(config, encoded, src_mask, 32), 32, 32,
+        config.bos_id, config.eos_id, config.pad_id)
+
+  on, off = (jax.jit(functools.partial(greedy, use_memory=flag))
+             for flag in (True, False))
+  return compare(lambda: on(params, src).block_until_ready(),
+                 lambda: off(params, src).block_until_ready(), repeats)
+
+
+def two_stage_top_k(config, repeats):
+  beams, vocab = 4, config.tgt_vocab_size
+  candidates = jax.random.normal(jax.random.key(0), (32, beams, vocab))
+
+  def one_stage(x):
+    return jax.lax.top_k(x.reshape(32, beams * vocab), 2 * beams)
+
+  def two_stages(x):
+    values, tokens = jax.lax.top_k(x, 2 * beams)
+    best, picks = jax.lax.top_k(values.reshape(32, -1), 2 * beams)
+    return best, jnp.take_along_axis(tokens.reshape(32, -1), picks, 1)
+
+  on, off = jax.jit(two_stages), jax.jit(one_stage)
+  np.testing.assert_array_equal(on(candidates)[0], off(candidates)[0])
+  return compare(lambda: jax.block_until_ready(on(candidates)),
+                 lambda: jax.block_until_ready(off(candidates)),
+                 repeats * 20)
+
+
+def closed_form_loss(config, repeats):
+  vocab = config.tgt_vocab_size
+  logits = jax.random.normal(jax.random.key(0), (64, 32, vocab))
+  labels = jax.random.randint(jax.random.key(1), (64, 32), 3, vocab)
+  eps = 0.1
+
+  def materialised(logits):
+    q = losses.smoothed_targets(labels, vocab, eps, config.pad_id)
+    log_p = jax.nn.log_softmax(logits)
+    return jnp.sum(jnp.where(q > 0, q * (jnp.log(jnp.where(q > 0, q, 1.0)) -
+                                         log_p), 0.0))
+
+  def closed_form(logits):
+    return losses.label_smoothed_kl(logits, labels, eps, config.pad_id)[0]
+
+  on, off = (jax.jit(jax.value_and_grad(f)) for f in (closed_form,
+                                                      materialised))
+  np.testing.assert_allclose(on(logits)[0], off(logits)[0], rtol=1e-4)
+  return compare(lambda: jax.block_until_ready(on(logits)),
+                 lambda: jax.block_until_ready(off(logits)), repeats)
+
+
+def donated_state(config, repeats):
+  batch, length = train_bench.SHAPES['small']
+  config = config.replace(batch_size=batch)
+  host = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
+  rng = jax.random.key(1)
+  step = functools.partial(train_step, config=config)
+  donating = jax.jit(step, donate_argnums=0)
+  copying = jax.jit(step)
+  states = {'with': create_train_state(config, jax.random.key(0)),
+            'without': create_train_state(config, jax.random.key(0))}
+
+  def run(name, fn):
+    states[name], metrics = fn(states[name], host, rng)
+    jax.block_until_ready((states[name], metrics))
+
+  return compare(lambda: run('with', donating),
+                 lambda: run('without', copying), repeats)
+
+
+def fused_qkv(config, repeats):
+  d = config.d_model
+  x = jax.random.normal(jax.random.key(0), (64 * 32, d))
+  kernels = [jax.random.normal(jax.random.key(i), (d, d)) for i in range(3)]
+
+  def separate(kernels, x):
+    return sum(jnp.sum(jnp.tanh(x @ k)) for k in kernels)
+
+  def fused(kernels, x):
+    qkv = x @ jnp.concatenate(kernels, axis=1)
+    return sum(jnp.sum(jnp.tanh(part)) for part in jnp.split(qkv, 3, axis=1))
+
+  on, off = (jax.jit(jax.grad(f, argnums=(0, 1))) for f in (fused, separate))
+  return compare(lambda: jax.block_until_ready(on(kernels, x)),
+                 lambda: jax.block_until_ready(off(kernels, x)), repeats)
+
+
+def compilation_cache(repeats):
+  del repeats  # two whole training runs: one each
+  with tempfile.TemporaryDirectory() as cache_dir:
+
+    def copy_run():
+      with tempfile.TemporaryDirectory() as workdir:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
+                        '--task=copy', f'--workdir={workdir}',
+                        f'--compilation_cache={cache_dir}'], check=True,
+                       capture_output=True)
+        return time.perf_counter() - start
+
+    cold = copy_run()
+    warm = copy_run()
+  return {'with_s': warm, 'without_s': cold, 'speedup': cold / warm}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--config', default='small', choices=['small', 'base'])
+  parser.add_argument('--repeats', type=int, default=7)
+  args = parser.parse_args()
+  config = get_config(args.config).replace(dropout_rate=0.1, max_len=64)
+  levers = {
+      'cross_attention_memory': (cross_attention_memory, True),
+      'two_stage_top_k': (two_stage_top_k, True),
+      'closed_form_loss': (closed_form_loss, True),
+      'donated_state': (donated_state, True),
+      'fused_qkv': (fused_qkv, False),
+  }
+  results = {name: {**measure(config, args.repeats), 'kept': kept}
+             for name, (measure, kept) in levers.items()}
+  results['compilation_cache'] = {**compilation_cache(args.repeats),
+                                  'kept': True}
+  common.emit({'benchmark': 'levers', 'config': args.config,
+               'levers': results})
+
+
+if __name__ == '__main__':
+  main()
