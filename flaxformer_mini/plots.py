@@ -99,6 +99,42 @@ def attention_heatmaps(weights: np.ndarray, query_tokens: list[str],
   return figure
 
 
+ATTENTION_KINDS = (('encoder', 'self_attention'), ('decoder', 'self_attention'),
+                   ('decoder', 'cross_attention'))
+
+
+def model_attention(config, params, batch, source_labels: list[str],
+                    target_labels: list[str], item: int = 0) -> dict:
+  """The three kinds of attention of a model on one item of a batch.
+
+  Args:
+    config, params: the (trained) model.
+    batch: a masks.Batch; its item `item` is drawn.
+    source_labels: one label per source position (src_len of them).
+    target_labels: one label per decoder input position (tgt_in's length).
+    item: which row of the batch.
+
+  Returns:
+    {'encoder self_attention' | 'decoder self_attention' |
+     'decoder cross_attention': Figure}, layers x heads each.
+  """
+  from flaxformer_mini import tour  # pylint: disable=g-import-not-at-top
+  weights = {stop.name: stop.value for stop in
+             tour.tensor_tour(config, params, batch)
+             if stop.name.endswith('/weights')}
+  labels = {'encoder': source_labels, 'decoder': target_labels}
+  figures = {}
+  for side, block in ATTENTION_KINDS:
+    layers = (config.num_encoder_layers if side == 'encoder' else
+              config.num_decoder_layers)
+    stacked = np.stack([weights[f'{side}/layer_{layer}/{block}/weights'][item]
+                        for layer in range(layers)])
+    keys = labels['encoder'] if block == 'cross_attention' else labels[side]
+    figures[f'{side} {block}'] = attention_heatmaps(
+        stacked, labels[side], keys, f'{side} {block}')
+  return figures
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       prog='python -m flaxformer_mini.plots',

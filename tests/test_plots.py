@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from flaxformer_mini import logbook, plots
+from flaxformer_mini import logbook, plots, tour
 
 
 def _tensorboard_scalars(directory):
@@ -82,3 +82,16 @@ def test_attention_heatmaps_one_panel_per_layer_and_head():
   assert figure.axes[0].get_title() == 'layer 0 head 0'
   with pytest.raises(ValueError, match='labels'):
     plots.attention_heatmaps(weights, list('abc'), list('wxyz'))
+
+
+def test_a_models_three_kinds_of_attention(toy_config, toy_params):
+  figures = plots.model_attention(
+      toy_config, toy_params, tour.example_batch(toy_config),
+      ['a', 'b', 'c'], ['bos', 'x'], item=1)
+  assert list(figures) == ['encoder self_attention', 'decoder self_attention',
+                           'decoder cross_attention']
+  for figure in figures.values():
+    assert len(figure.axes) == 2 * 2  # toy: 2 layers x 2 heads
+  cross = figures['decoder cross_attention'].axes[0]
+  assert [t.get_text() for t in cross.get_xticklabels()] == ['a', 'b', 'c']
+  assert [t.get_text() for t in cross.get_yticklabels()] == ['bos', 'x']
