@@ -118,7 +118,7 @@ def train(config: TransformerConfig, state: TrainState, rng,
   last_saved = checkpoints.latest_step() if checkpoints else None
   first_step = int(state.step)
   placed = parallel.put_state(state)
-  window_start = started = time.perf_counter()
+  window_start = started = last_check = time.perf_counter()
   deadline = config.max_train_minutes * 60 or float('inf')
 
   def check_pending():
@@ -170,11 +170,17 @@ def train(config: TransformerConfig, state: TrainState, rng,
         score, stop = None, False
         if evaluate is not None and done % config.eval_every == 0:
           score, stop = evaluate(parallel.get_state(placed))
-        # The time limit is checked at log boundaries, where the host syncs.
-        if not pending and time.perf_counter() - started > deadline:
-          tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes} '
-                          f'reached after step {done}')
-          stop = True
+        # The time limit is checked at log boundaries, where the host syncs:
+        # stop at the last one the budget reaches, judging the next window
+        # (steps and any evaluation) by the one just finished.
+        if not pending:
+          now = time.perf_counter()
+          if now - started + (now - last_check) > deadline:
+            tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes}'
+                            f': stopping after step {done}, as the next '
+                            f'{config.log_every} steps would pass it')
+            stop = True
+          last_check = now
         every = config.checkpoint_every
         if ((every and done % every == 0) or score is not None or stop or
             signals.received is not None):

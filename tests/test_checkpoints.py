@@ -313,6 +313,25 @@ def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
     assert result.stdout.split()[-2:] == ['ok', str(devices)]
 
 
+def test_a_time_budget_stops_before_the_window_that_would_pass_it(
+    monkeypatch, cfg):
+  # A clock that moves one second per training step: each log window is
+  # log_every seconds, and the budget holds two and a half of them.
+  clock = {'now': 0.0}
+  monkeypatch.setattr(experiment.time, 'perf_counter', lambda: clock['now'])
+
+  def batch_at(step):
+    clock['now'] += 1.0
+    return copy_task.train_batch(cfg, step)
+
+  budget = cfg.replace(train_steps=10_000,
+                       max_train_minutes=2.5 * cfg.log_every / 60)
+  state, _ = experiment.train(budget, create_train_state(budget,
+                                                         jax.random.key(0)),
+                              jax.random.key(1), batch_at)
+  assert int(state.step) == 2 * cfg.log_every
+
+
 def test_a_time_budget_stops_at_a_log_boundary_with_a_checkpoint(tmp_path, cfg):
   state, _ = _train_in(tmp_path, cfg.replace(train_steps=10_000,
                                              max_train_minutes=1e-6))
