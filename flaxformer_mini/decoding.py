@@ -191,15 +191,12 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                         [pad_id, bos_id])
     candidates = (state['live_log_probs'][:, :, None] +
                   log_probs.reshape(batch, beams, vocab))  # [batch, beams, vocab]
-    # Two stages: the best 2k tokens of each beam, then the best 2k of those
-    # k * 2k. The same candidates as one top-k over beams x vocab, cheaper.
-    per_beam = min(2 * beams, vocab)
-    beam_log_probs, beam_tokens = jax.lax.top_k(candidates, per_beam)  # [batch, beams, per_beam]
-    top_log_probs, picks = jax.lax.top_k(
-        beam_log_probs.reshape(batch, beams * per_beam), 2 * beams)  # [batch, 2 * beams]
-    top_beams = picks // per_beam
-    top_tokens = jnp.take_along_axis(
-        beam_tokens.reshape(batch, -1), picks, axis=1).astype(jnp.int32)
+    # One top-k over beams x vocab: measured faster on CPU than a top-k per
+    # beam followed by one over beams (benchmarks/levers.py).
+    top_log_probs, top_indices = jax.lax.top_k(
+        candidates.reshape(batch, beams * vocab), 2 * beams)  # [batch, 2 * beams]
+    top_beams = top_indices // vocab
+    top_tokens = (top_indices % vocab).astype(jnp.int32)
     top_sequences = jax.lax.dynamic_update_slice(
         _gather_beams(state['live_sequences'], top_beams),
         top_tokens[:, :, None], (0, 0, step + 1))  # [batch, 2 * beams, max_len + 1]
