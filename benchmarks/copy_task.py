@@ -6,7 +6,9 @@ Runs `python train.py --task=copy` (the README's first command, fresh, in a
 temporary workdir) as a child process and reports `wall_s`, the child's whole
 life from exec to exit (interpreter start-up, imports, compiles, training
 until exact match 1.0 on fresh sequences, the final evaluation and the
-checkpoint), next to what the run itself recorded.
+checkpoint), next to what the run itself recorded. The persistent compilation
+cache is off, so every program is compiled (benchmarks/levers.py measures
+what a warm cache saves).
 """
 
 import argparse
@@ -26,7 +28,8 @@ def run_once(seed: int) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
-                    '--task=copy', f'--workdir={workdir}', f'--seed={seed}'],
+                    '--task=copy', f'--workdir={workdir}', f'--seed={seed}',
+                    '--compilation_cache='],
                    check=True, capture_output=True, cwd=ROOT)
     wall_s = time.perf_counter() - start
     with open(os.path.join(workdir, 'results.json')) as f:
