@@ -25,7 +25,6 @@ from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
                                          config_differences, set_aside)
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data import copy_task
-from flaxformer_mini.logbook import Logbook
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import (DataParallel, check_divisible, host_rows,
                                       pad_rows)
@@ -90,7 +89,7 @@ def train(config: TransformerConfig, state: TrainState, rng,
           batch_at: Callable[[int], Batch], evaluate: Evaluate | None = None,
           parallel: DataParallel | None = None,
           checkpoints: Checkpoints | None = None,
-          log: Logbook | None = None):
+          log: logbook.Logbook | None = None):
   """Runs the data-parallel train_step from state.step to config.train_steps.
 
   Args:
@@ -274,12 +273,13 @@ def open_run(config: TransformerConfig, workdir: str, parallel: DataParallel,
   state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
   if resumed_from:
     print(f'resuming from step {resumed_from} of {checkpoints.directory}')
-  log = Logbook(workdir, resumed_from) if jax.process_index() == 0 else None
+  log = (logbook.Logbook(workdir, resumed_from)
+         if jax.process_index() == 0 else None)
   return checkpoints, state, rng, resumed_from, log
 
 
-def close_run(workdir: str, checkpoints: Checkpoints, log: Logbook | None,
-              title: str) -> None:
+def close_run(workdir: str, checkpoints: Checkpoints,
+              log: logbook.Logbook | None, title: str) -> None:
   """Waits for the last checkpoint; closes the logbook and draws curves.png."""
   checkpoints.close()
   if log is not None:
