@@ -134,7 +134,7 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     build_parser().error(str(e))
   from flaxformer_mini.checkpoints import CheckpointError
-  from flaxformer_mini.data.parallel_text import DataError
+  from flaxformer_mini.data import DataError
   workdir = args.workdir or os.path.join('runs', args.task)
   try:
     if args.task == 'copy':

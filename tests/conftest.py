@@ -19,6 +19,12 @@ import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import pytest
 
+# The suite checks equalities between two ways of computing the same thing;
+# on a GPU float32 matmuls default to TF32 (10-bit mantissa), which would
+# turn those into 1e-4-level noise. Full float32 keeps them exact anywhere
+# (on CPU this changes nothing).
+jax.config.update('jax_default_matmul_precision', 'highest')
+
 from flaxformer_mini import decoding, experiment
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task

@@ -10,9 +10,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(*args, cwd=ROOT):
+def _train(*args, cwd=ROOT, env=None):
   return subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *args],
-                        capture_output=True, text=True, cwd=cwd, timeout=600)
+                        capture_output=True, text=True, cwd=cwd, timeout=600,
+                        env=env)
 
 
 @pytest.mark.parametrize('args, expected', [
@@ -44,8 +45,18 @@ def test_help_lists_every_config_field_with_its_default():
 
 
 def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
-  """The default `python train.py --task=copy`, as the README runs it."""
-  result = _train('--task=copy', cwd=tmp_path)
+  """The default `python train.py --task=copy`, as the README runs it.
+
+  With TensorFlow Datasets made unimportable: the copy task must run where
+  only the accelerator's JAX stack is installed (a GPU image without TFDS).
+  """
+  shadow = tmp_path / 'shadow'
+  shadow.mkdir()
+  (shadow / 'tensorflow_datasets.py').write_text(
+      'raise ImportError("the copy task must not need tensorflow_datasets")')
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
+      [str(shadow), os.environ.get('PYTHONPATH', '')])}
+  result = _train('--task=copy', cwd=tmp_path, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   path = tmp_path / 'runs' / 'copy' / 'results.json'
   assert str(path.resolve()) in result.stdout

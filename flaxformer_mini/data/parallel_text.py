@@ -19,12 +19,10 @@ import os
 
 import tensorflow_datasets as tfds
 
+from flaxformer_mini.data import DataError
+
 # File prefix -> TFDS split name.
 _SPLIT_NAMES = {'train': 'train', 'val': 'validation'}
-
-
-class DataError(ValueError):
-  """The data cannot be used; the message names the problem and the fix."""
 
 
 def _open_text(path: str):
