@@ -27,11 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_once(seed: int) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
-                    '--task=copy', f'--workdir={workdir}', f'--seed={seed}',
-                    '--compilation_cache='],
-                   check=True, capture_output=True, cwd=ROOT)
+    child = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
+                            '--task=copy', f'--workdir={workdir}',
+                            f'--seed={seed}', '--compilation_cache='],
+                           capture_output=True, text=True, cwd=ROOT)
     wall_s = time.perf_counter() - start
+    if child.returncode:
+      sys.exit(f'train.py --task=copy failed (exit {child.returncode}):\n'
+               f'{child.stderr[-4000:]}')
     with open(os.path.join(workdir, 'results.json')) as f:
       results = json.load(f)
   return {'seed': seed, 'wall_s': wall_s,

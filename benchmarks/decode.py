@@ -9,8 +9,10 @@ JSON object.
 
 The Flax WMT example (benchmarks/flax_wmt.py) decodes the same sources with
 its own model and beam_search (beam > 1) or a cached greedy loop over its
-model (beam 1), in the same process; `speedup` is its time over ours.
---no_baseline skips it.
+model (beam 1), in the same process; `speedup` is its time over ours. For
+greedy decoding on a CPU with PyTorch installed, the Annotated Transformer's
+greedy_decode (benchmarks/annotated_transformer.py: a sentence at a time, no
+cache) decodes them too. --no_baseline skips the baselines.
 """
 
 import argparse
@@ -27,6 +29,7 @@ from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
 
+import annotated_transformer
 import common
 import flax_wmt
 
@@ -91,7 +94,29 @@ def measure(config, params, baseline_params, src, beam_size: int,
     result['flax_wmt'] = _timed(theirs, baseline_params, src, gen_len,
                                 repeats, config.eos_id)
     result['speedup'] = result['flax_wmt']['decode_s'] / result['decode_s']
+    if beam_size == 1:
+      result['annotated_transformer'] = _annotated_greedy(
+          config, src, gen_len, repeats, result['decode_s'])
   return result
+
+
+def _annotated_greedy(config, src, gen_len: int, repeats: int,
+                      our_decode_s: float) -> dict:
+  """The Annotated Transformer's greedy_decode over the same sources."""
+  why_not = annotated_transformer.unavailable()
+  if why_not:
+    return {'not_run': why_not}
+  import torch  # pylint: disable=g-import-not-at-top
+  decode = annotated_transformer.greedy_fn(annotated_transformer.load(),
+                                           config, gen_len)
+  src = torch.from_numpy(np.asarray(src, np.int64))
+  assert decode(src).shape == (src.shape[0], gen_len)  # and warms up
+  # Tens of times slower than ours: two runs pin that down well enough.
+  seconds = common.median_seconds(lambda: decode(src), min(repeats, 2))
+  return {'decode_s': seconds, 'step_s': seconds / gen_len,
+          'sentences_per_s': src.shape[0] / seconds,
+          'generated_tokens_per_s': src.shape[0] * gen_len / seconds,
+          'speedup': seconds / our_decode_s}
 
 
 def main():
@@ -102,10 +127,12 @@ def main():
   parser.add_argument('--src_len', type=int, default=32)
   parser.add_argument('--gen_len', type=int, default=32)
   parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--dtype', default='float32',
+                      choices=['float32', 'bfloat16'])
   parser.add_argument('--no_baseline', action='store_true',
-                      help="skip the Flax WMT example's decoding")
+                      help="skip the baselines' decoding")
   args = parser.parse_args()
-  config = get_config(args.config).replace(dropout_rate=0.0)
+  config = get_config(args.config).replace(dropout_rate=0.0, dtype=args.dtype)
   params = init_params(config, jax.random.key(0))
   src = jnp.asarray(np.random.default_rng(0).integers(
       3, config.src_vocab_size, (args.batch, args.src_len)), jnp.int32)
@@ -117,6 +144,7 @@ def main():
   runs = [measure(config, params, baseline_params, src, beam, args.gen_len,
                   args.repeats) for beam in args.beam]
   common.emit({'benchmark': 'decode', 'config': args.config,
+               'dtype': args.dtype,
                'batch': args.batch, 'src_len': args.src_len,
                'gen_len': args.gen_len, 'runs': runs})
 

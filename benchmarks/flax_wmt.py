@@ -66,6 +66,7 @@ def wmt_config(models, config, decode: bool = False):
       output_vocab_size=config.tgt_vocab_size,
       share_embeddings=config.share_embeddings,
       logits_via_embedding=config.tie_output_embedding,
+      dtype=jnp.dtype(config.dtype),
       emb_dim=config.d_model, num_heads=config.num_heads,
       num_layers=config.num_encoder_layers, qkv_dim=config.d_model,
       mlp_dim=config.d_ff, max_len=config.max_len,

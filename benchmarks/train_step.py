@@ -2,6 +2,7 @@
 
   python benchmarks/train_step.py --config small --pad full
   python benchmarks/train_step.py --config base --pad pad20 --peak_gflops 90
+  python benchmarks/train_step.py --config base --dtype bfloat16 --batch 256
 
 The step is the one `train.py` runs: `DataParallel.train_step` over every
 device (label-smoothed KL with eps 0.1, dropout 0.1, Adam + the Noam
@@ -9,17 +10,22 @@ schedule, donated state), on fixed synthetic batches of random token ids.
 `--pad full`: every sentence has the full length; `pad20`: each sentence's
 length is uniform in [0.6 L, L] (about 20 % padding). Compile time is the
 ahead-of-time lower + compile, apart; `step_s` is the median of --steps steps
-after a warm-up, each run to completion.
+after a warm-up, each run to completion. --batch overrides the issue's batch
+size: on a GPU or TPU the issue's 16 x 64 tokens cannot fill the chip, so the
+accelerator suite also measures a batch the size of the paper's per-step
+batches.
 
 FLOPs (README, "Performance"): 3 x forward, forward = 2 x matmul parameters x
 positions + 4 x batch x d_model x layers x (Ls^2 + Lt^2 + Lt Ls), over all
 positions, pad included. MFU divides by the measured matmul peak
 (benchmarks/peak.py; measured here unless --peak_gflops is given).
 
-The Flax WMT example's model (benchmarks/flax_wmt.py) runs on the same
-batches in the same process, its steps interleaved with ours so that both
-see the same machine; `speedup` is its step time over ours. --no_baseline
-skips it.
+The Flax WMT example's model (benchmarks/flax_wmt.py) and, on a CPU with
+PyTorch installed, the Annotated Transformer (benchmarks/annotated_transformer.py)
+run on the same batches in the same process, their steps interleaved with
+ours so that all see the same machine; each baseline's `speedup` is its step
+time over ours (the top-level `speedup` is the Flax WMT example's).
+--no_baseline skips them.
 """
 
 import argparse
@@ -33,6 +39,7 @@ from flaxformer_mini.masks import make_batch
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
 
+import annotated_transformer
 import common
 import flax_wmt
 import peak
@@ -80,32 +87,59 @@ def _compiled(step, state, batch, rng):
   return compiled, time.perf_counter() - start
 
 
+def _jax_run(step, state, batches, rng, compile_s: float) -> dict:
+  """A run whose advance(i) makes step i and waits for it to finish."""
+  holder = {'state': state}
+
+  def advance(i):
+    holder['state'], metrics = step(holder['state'], batches[i % len(batches)],
+                                    rng)
+    jax.block_until_ready((holder['state'], metrics))
+
+  return {'advance': advance, 'compile_s': compile_s}
+
+
+def _baselines(config, host_batches, init_rng, dropout_rng) -> dict:
+  """The Flax WMT example's run and, on a CPU, the Annotated Transformer's."""
+  models, _ = flax_wmt.load()
+  state = flax_wmt.create_state(models, config, init_rng)
+  batches = [jax.device_put(b) for b in host_batches]
+  step, compile_s = _compiled(flax_wmt.jitted_train_step(config), state,
+                              batches[0], dropout_rng)
+  runs = {'flax_wmt': _jax_run(step, state, batches, dropout_rng, compile_s)}
+  why_not = annotated_transformer.unavailable()
+  if why_not:
+    runs['annotated_transformer'] = {'not_run': why_not}
+  else:
+    ns = annotated_transformer.load()
+    torch_step = annotated_transformer.train_step_fn(ns, config)
+    torch_batches = [annotated_transformer.torch_batch(ns, b, config.pad_id)
+                     for b in host_batches]
+    runs['annotated_transformer'] = {
+        'advance': lambda i: torch_step(torch_batches[i % len(torch_batches)]),
+        'compile_s': None}  # eager: nothing to compile
+  return runs
+
+
 def measure(config, batch: int, length: int, pad: str, steps: int,
             peak_gflops: float, baseline: bool) -> dict:
-  """Our step (and the baseline's), interleaved; medians of `steps` steps."""
+  """Our step (and the baselines'), interleaved; medians of `steps` steps."""
   parallel = DataParallel(config, config.parallel)
   init_rng, dropout_rng = jax.random.split(jax.random.key(0))
   host_batches = synthetic_batches(config, batch, length, pad)
-  ours = {'state': parallel.put_state(create_train_state(config, init_rng)),
-          'batches': [parallel.put_batch(b) for b in host_batches]}
-  ours['step'], ours['compile_s'] = _compiled(
-      parallel.train_step, ours['state'], ours['batches'][0], dropout_rng)
-  runs = {'ours': ours}
+  state = parallel.put_state(create_train_state(config, init_rng))
+  batches = [parallel.put_batch(b) for b in host_batches]
+  step, compile_s = _compiled(parallel.train_step, state, batches[0],
+                              dropout_rng)
+  runs = {'ours': _jax_run(step, state, batches, dropout_rng, compile_s)}
   if baseline:
-    models, _ = flax_wmt.load()
-    theirs = {'state': flax_wmt.create_state(models, config, init_rng),
-              'batches': [jax.device_put(b) for b in host_batches]}
-    theirs['step'], theirs['compile_s'] = _compiled(
-        flax_wmt.jitted_train_step(config), theirs['state'],
-        theirs['batches'][0], dropout_rng)
-    runs['flax_wmt'] = theirs
+    runs.update(_baselines(config, host_batches, init_rng, dropout_rng))
+  timed = {name: run for name, run in runs.items() if 'advance' in run}
 
   for i in range(2 + steps):  # two warm-up steps, then the timed ones
-    for run in runs.values():
+    for run in timed.values():
       start = time.perf_counter()
-      run['state'], metrics = run['step'](
-          run['state'], run['batches'][i % len(host_batches)], dropout_rng)
-      jax.block_until_ready((run['state'], metrics))
+      run['advance'](i)
       if i >= 2:
         run.setdefault('times', []).append(time.perf_counter() - start)
 
@@ -121,12 +155,19 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
             'target_tokens_per_s': target / step_s,
             'mfu': flops / step_s / 1e9 / peak_gflops}
 
-  result = {**figures(ours), 'gflop_per_step': flops / 1e9,
+  result = {**figures(runs['ours']), 'gflop_per_step': flops / 1e9,
             'peak_gflops': peak_gflops,
             'padding': 1 - real / (2 * batch * length)}
-  if baseline:
-    result['flax_wmt'] = figures(runs['flax_wmt'])
-    result['speedup'] = result['flax_wmt']['step_s'] / result['step_s']
+  for name, run in runs.items():
+    if name == 'ours':
+      continue
+    if name not in timed:
+      result[name] = {'not_run': run['not_run']}
+      continue
+    result[name] = figures(run)
+    result[name]['speedup'] = result[name]['step_s'] / result['step_s']
+  if baseline:  # the issue's headline ratio: against the Flax WMT example
+    result['speedup'] = result['flax_wmt']['speedup']
   return result
 
 
@@ -135,20 +176,26 @@ def main():
   parser.add_argument('--config', default='small', choices=sorted(SHAPES))
   parser.add_argument('--pad', default='full', choices=['full', 'pad20'])
   parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--dropout', type=float, default=0.1,
+                      help='dropout rate (0 measures what dropout costs)')
+  parser.add_argument('--batch', type=int,
+                      help="sentences per batch (default: the config's shape)")
   parser.add_argument('--dtype', default='float32',
                       choices=['float32', 'bfloat16'])
   parser.add_argument('--no_baseline', action='store_true',
-                      help='skip the Flax WMT example\'s step')
+                      help="skip the baselines' steps")
   parser.add_argument('--peak_gflops', type=float,
                       help='the matmul peak for MFU (default: measure it)')
   args = parser.parse_args()
   batch, length = SHAPES[args.config]
+  batch = args.batch or batch
   config = get_config(args.config).replace(
-      dropout_rate=0.1, label_smoothing=0.1, batch_size=batch,
+      dropout_rate=args.dropout, label_smoothing=0.1, batch_size=batch,
       max_len=max(length + 1, 64), dtype=args.dtype)
   peak_gflops = args.peak_gflops or peak.measure()['peak_gflops'][args.dtype]
   common.emit({'benchmark': 'train_step', 'config': args.config,
                'pad': args.pad, 'batch': batch, 'length': length,
+               'dropout': args.dropout,
                'dtype': args.dtype,
                **measure(config, batch, length, args.pad, args.steps,
                          peak_gflops, not args.no_baseline)})
