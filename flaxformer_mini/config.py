@@ -49,6 +49,10 @@ class TransformerConfig:
   # Activations and matmuls; parameters, optimizer state, layer-norm
   # statistics, softmax and loss stay float32.
   dtype: str = 'float32'
+  # Recompute each layer's activations in the backward pass instead of
+  # keeping them (jax.checkpoint): far less activation memory for large
+  # models and long sentences, for about one more forward pass of compute.
+  remat: bool = False
 
   # The objective and the optimizer.
   label_smoothing: float = 0.1

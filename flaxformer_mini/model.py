@@ -29,8 +29,10 @@ class Encoder(nn.Module):
     x = PositionalEncoding(cfg)(tokens)
     self.sow('intermediates', 'embedded', x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    layer = (nn.remat(EncoderLayer, static_argnums=(3,)) if cfg.remat else
+             EncoderLayer)  # argument 3 (self is 0): deterministic
     for i in range(cfg.num_encoder_layers):
-      x = EncoderLayer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
+      x = layer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
     if cfg.pre_norm:
       x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
                        name='final_norm')(x)
@@ -56,8 +58,11 @@ class Decoder(nn.Module):
     y = PositionalEncoding(cfg)(tokens, decode=decode)
     self.sow('intermediates', 'embedded', y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    # Nothing to recompute while decoding: no backward pass.
+    layer = (nn.remat(DecoderLayer, static_argnums=(5, 6))
+             if cfg.remat and not decode else DecoderLayer)
     for i in range(cfg.num_decoder_layers):
-      y = DecoderLayer(cfg, name=f'layer_{i}')(
+      y = layer(cfg, name=f'layer_{i}')(
           y, encoded, src_mask, tgt_mask, deterministic, decode)
     if cfg.pre_norm:
       y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,

@@ -1,9 +1,14 @@
+import contextlib
 import functools
+import io
+import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import ad_checkpoint
 
 from flaxformer_mini import experiment, losses
 from flaxformer_mini.data import copy_task
@@ -104,3 +109,42 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_state(small_copy):
                                                          jnp.floating))
   assert np.isfinite(losses_seen).all()
   assert losses_seen[-1] < losses_seen[0]
+
+
+def _kept_for_backward(cfg, params, batch) -> int:
+  """Elements the backward pass keeps (jax's own list of saved residuals)."""
+  def loss(params):
+    logits = Transformer(cfg).apply(
+        {'params': params}, batch.src, batch.tgt_in, batch.src_mask,
+        batch.tgt_mask, deterministic=False,
+        rngs={'dropout': jax.random.key(1)})
+    return losses.label_smoothed_kl(logits, batch.tgt_out, 0.1, cfg.pad_id)[0]
+
+  output = io.StringIO()
+  with contextlib.redirect_stdout(output):
+    ad_checkpoint.print_saved_residuals(loss, params)
+  shapes = re.findall(r'^\w+\[([\d,]*)\]', output.getvalue(), re.MULTILINE)
+  assert shapes, output.getvalue()
+  return sum(math.prod(int(d) for d in s.split(',') if d) for s in shapes)
+
+
+def test_remat_recomputes_instead_of_keeping_and_changes_no_number(
+    small_copy):
+  cfg = small_copy.replace(dropout_rate=0.1, d_ff=256)
+  state = create_train_state(cfg, jax.random.key(0))
+  batch = copy_task.train_batch(cfg, 0)
+  remat = cfg.replace(remat=True)
+  # What remat is for: the layers' activations are not kept for the
+  # backward pass (only each layer's input is).
+  kept, kept_with_remat = (_kept_for_backward(c, state.params, batch)
+                           for c in (cfg, remat))
+  params = sum(leaf.size for leaf in jax.tree.leaves(state.params))
+  assert kept_with_remat - params < 0.5 * (kept - params)
+  # And it changes nothing else: same dropout masks, same update.
+  steps = [jax.jit(functools.partial(train_step, config=c))(
+      state, batch, jax.random.key(1)) for c in (cfg, remat)]
+  (plain, plain_metrics), (recomputed, remat_metrics) = steps
+  assert plain_metrics['loss_sum'] == remat_metrics['loss_sum']
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                       atol=1e-7),
+               plain.params, recomputed.params)
