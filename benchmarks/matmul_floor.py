@@ -13,7 +13,6 @@ float32, fixed synthetic batches of the issue's shapes (train_step.py's).
 
 import argparse
 import collections
-import time
 
 import jax
 import jax.numpy as jnp
@@ -44,16 +43,6 @@ def dot_generals(jaxpr) -> collections.Counter:
   return found
 
 
-def best_seconds(run, repeats: int) -> float:
-  jax.block_until_ready(run())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
 def measure(config, batch: int, length: int, repeats: int) -> dict:
   state = create_train_state(config, jax.random.key(0))
   data = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
@@ -67,7 +56,8 @@ def measure(config, batch: int, length: int, repeats: int) -> dict:
     product = jax.jit(lambda x, y, dims=dims: lax.dot_general(x, y, dims))
     out = jax.eval_shape(product, a, b)
     gflop = 2 * np.prod(out.shape) * np.prod([lhs[i] for i in dims[0][0]]) / 1e9
-    seconds = best_seconds(lambda: product(a, b), repeats)
+    seconds = common.best_seconds(
+        lambda: product(a, b).block_until_ready(), repeats)
     floor_s += count * seconds
     flops += count * gflop
     rows.append({'count': count, 'lhs': lhs, 'rhs': rhs,
@@ -77,9 +67,9 @@ def measure(config, batch: int, length: int, repeats: int) -> dict:
 
   def one_step():
     holder[0], metrics = step(holder[0], data, jax.random.key(1))
-    return metrics
+    jax.block_until_ready(metrics)
 
-  step_s = best_seconds(one_step, max(3, repeats // 3))
+  step_s = common.best_seconds(one_step, max(3, repeats // 3))
   return {'dot_generals': sum(matmuls.values()), 'matmul_floor_s': floor_s,
           'matmul_gflop': flops, 'matmul_gflop_per_s': flops / floor_s,
           'step_s': step_s, 'matmul_share': floor_s / step_s,
