@@ -58,8 +58,13 @@ def load() -> dict:
   path = os.path.join(CACHE, 'the_annotated_transformer.py')
   if not os.path.isfile(path):
     os.makedirs(CACHE, exist_ok=True)
-    with urllib.request.urlopen(URL, timeout=60) as response:
-      source = response.read()
+    try:
+      with urllib.request.urlopen(URL, timeout=60) as response:
+        source = response.read()
+    except OSError as e:
+      raise RuntimeError(
+          f'cannot fetch the Annotated Transformer ({e}); offline, put '
+          f'{URL} at {path}, or run with --no_baseline.') from e
     with open(path + '.part', 'wb') as f:
       f.write(source)
     os.replace(path + '.part', path)

@@ -39,9 +39,16 @@ def load():
   if not all(os.path.isfile(os.path.join(CACHE, f)) for f in FILES):
     os.makedirs(CACHE, exist_ok=True)
     with tempfile.TemporaryDirectory() as download:
-      subprocess.run([sys.executable, '-m', 'pip', 'download', '-q',
-                      '--no-deps', '--no-binary', ':all:', '-d', download,
-                      f'flax=={flax.__version__}'], check=True)
+      fetched = subprocess.run(
+          [sys.executable, '-m', 'pip', 'download', '-q', '--no-deps',
+           '--no-binary', ':all:', '-d', download,
+           f'flax=={flax.__version__}'])
+      if fetched.returncode:
+        raise RuntimeError(
+            f'cannot fetch the flax {flax.__version__} source distribution '
+            f'for the Flax WMT example (pip said why, above); offline, put '
+            f'its examples/wmt/{{models,decode}}.py in {CACHE}, or run with '
+            '--no_baseline.')
       (archive,) = glob.glob(os.path.join(download, 'flax-*.tar.gz'))
       with tarfile.open(archive) as tar:
         for name in FILES:
