@@ -6,9 +6,9 @@ Each lever is timed against its alternative on the same inputs, the two
 interleaved, and reported as `speedup` = time without the lever / time with
 it. Each time is the best of --repeats runs: the work is deterministic, so
 the fastest run is the one least disturbed by the rest of a shared machine.
-Differences within about 10 % are not measurable that way. Levers the project keeps are marked `kept`; the
-two-stage top-k and the fused QKV projection are measured and not kept (they
-lose on CPU).
+Differences within about 10 % are not measurable that way. Levers the
+project keeps are marked `kept`; the two-stage top-k and the fused QKV
+projection are measured and not kept (they lose on CPU).
 
 - cross_attention_memory: decoding projects the encoder output through W^K,
   W^V once (decoding.project_memory) instead of at every step. Greedy search,
@@ -18,6 +18,10 @@ lose on CPU).
 - closed_form_loss: the label-smoothed KL from log-probabilities, against
   materialising the smoothed one-hot target [batch, len, vocab]; loss +
   gradient w.r.t. the logits.
+- tied_logits_vjp: the tied output projection's gradient written out
+  (embeddings.tied_logits), against autodiff's, whose table gradient makes
+  XLA's CPU backend transpose the whole [tokens, vocab] gradient; gradient of
+  projection + loss w.r.t. both inputs.
 - donated_state: the training step donates its input state (buffers reused
   in place), against a step that does not.
 - fused_qkv: one [d, 3d] projection instead of three [d, d] (forward +
@@ -38,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini import decoding, losses
+from flaxformer_mini import decoding, embeddings, losses
 from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
@@ -136,6 +140,26 @@ def closed_form_loss(config, repeats):
                  lambda: jax.block_until_ready(off(logits)), repeats)
 
 
+def tied_logits_vjp(config, repeats):
+  x = jax.random.normal(jax.random.key(0), (64, 32, config.d_model))
+  table = jax.random.normal(jax.random.key(1),
+                            (config.tgt_vocab_size, config.d_model))
+  labels = jax.random.randint(jax.random.key(2), (64, 32), 3,
+                              config.tgt_vocab_size)
+
+  def loss(project):
+    return lambda x, table: losses.label_smoothed_kl(
+        project(x, table), labels, 0.1, config.pad_id)[0]
+
+  on, off = (jax.jit(jax.grad(loss(project), argnums=(0, 1))) for project in
+             (embeddings.tied_logits,
+              lambda x, table: jnp.einsum('btd,vd->btv', x, table)))
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-3,
+                                 atol=1e-4), on(x, table), off(x, table))
+  return compare(lambda: jax.block_until_ready(on(x, table)),
+                 lambda: jax.block_until_ready(off(x, table)), repeats)
+
+
 def donated_state(config, repeats):
   batch, length = train_bench.SHAPES['small']
   config = config.replace(batch_size=batch)
@@ -200,6 +224,7 @@ def main():
       'cross_attention_memory': (cross_attention_memory, True),
       'two_stage_top_k': (two_stage_top_k, False),
       'closed_form_loss': (closed_form_loss, True),
+      'tied_logits_vjp': (tied_logits_vjp, True),
       'donated_state': (donated_state, True),
       'fused_qkv': (fused_qkv, False),
   }

@@ -33,7 +33,36 @@ class TokenEmbedding(nn.Module):
 
   def attend(self, x):
     """The tied pre-softmax layer: x: [batch, len, d_model] -> [batch, len, vocab]."""
-    return self.embed.attend(x)
+    dtype = self.config.dtype
+    return tied_logits(x.astype(dtype), self.embed.embedding.astype(dtype))
+
+
+@jax.custom_vjp
+def tied_logits(x, table):
+  """x: [batch, len, d_model] times table: [vocab, d_model] transposed.
+
+  -> logits [batch, len, vocab]. The product is x @ table.T; only its gradient
+  is written out, to choose which operand gets transposed: autodiff computes
+  d_table = d_logits^T . x, for which XLA's CPU backend first copies the whole
+  [tokens, vocab] gradient into [vocab, tokens] (a tenth of a `small`
+  training step); (x^T . d_logits)^T transposes [tokens, d_model] and the
+  [d_model, vocab] result instead (benchmarks/levers.py: tied_logits_vjp).
+  """
+  return jnp.einsum('...d,vd->...v', x, table)
+
+
+def _tied_logits_forward(x, table):
+  return tied_logits(x, table), (x, table)
+
+
+def _tied_logits_backward(residuals, d_logits):
+  x, table = residuals
+  d_x = jnp.einsum('...v,vd->...d', d_logits, table)
+  d_table_t = jnp.einsum('...d,...v->dv', x, d_logits)  # [d_model, vocab]
+  return d_x, d_table_t.T
+
+
+tied_logits.defvjp(_tied_logits_forward, _tied_logits_backward)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:

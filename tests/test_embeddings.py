@@ -1,8 +1,11 @@
 import jax
+import jax.numpy as jnp
+import jax.test_util  # pylint: disable=unused-import
 import numpy as np
 
 from flaxformer_mini.config import get_config
-from flaxformer_mini.embeddings import TokenEmbedding, sinusoidal_positions
+from flaxformer_mini.embeddings import (TokenEmbedding, sinusoidal_positions,
+                                        tied_logits)
 
 
 def test_sinusoids_interleave_sin_on_even_and_cos_on_odd_dimensions():
@@ -28,3 +31,32 @@ def test_embeddings_are_scaled_by_sqrt_d_model():
   table = variables['params']['embed']['embedding']
   np.testing.assert_allclose(module.apply(variables, ids),
                              table[ids] * np.sqrt(cfg.d_model), rtol=1e-6)
+
+
+def test_tied_logits_is_x_times_the_table_transposed_gradient_included():
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (2, 3, 8))
+  table = jax.random.normal(keys[1], (11, 8))
+  weights = jax.random.normal(keys[2], (2, 3, 11))
+  np.testing.assert_allclose(tied_logits(x, table), x @ table.T, rtol=1e-6)
+
+  def loss(project):
+    return lambda x, table: jnp.sum(jnp.tanh(project(x, table)) * weights)
+
+  ours = jax.grad(loss(tied_logits), argnums=(0, 1))(x, table)
+  autodiff = jax.grad(loss(lambda x, t: x @ t.T), argnums=(0, 1))(x, table)
+  for a, b in zip(ours, autodiff):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # And against finite differences, not only against autodiff.
+  jax.test_util.check_grads(tied_logits, (x, table), order=1, modes=['rev'])
+
+
+def test_the_model_logits_use_the_tied_table():
+  cfg = get_config('toy')
+  embedding = TokenEmbedding(cfg.src_vocab_size, cfg)
+  x = jax.random.normal(jax.random.key(1), (2, 3, cfg.d_model))
+  params = embedding.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  table = params['params']['embed']['embedding']
+  np.testing.assert_allclose(
+      embedding.apply(params, x, method=TokenEmbedding.attend), x @ table.T,
+      rtol=1e-6)
