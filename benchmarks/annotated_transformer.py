@@ -24,6 +24,8 @@ import math
 import os
 import urllib.request
 
+import numpy as np
+
 # PyTorch's idle threads must sleep, not spin, while JAX's steps run.
 os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
 
@@ -96,7 +98,6 @@ def make_model(ns: dict, config):
 
 def torch_batch(ns: dict, batch, pad_id: int):
   """Our Batch as its Batch: the full target is tgt_in's bos + tgt_out."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   tgt = np.concatenate([np.asarray(batch.tgt_in)[:, :1],
                         np.asarray(batch.tgt_out)], axis=1)
