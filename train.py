@@ -117,6 +117,8 @@ def parse(argv: list[str]):
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
   # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import host_memory
+  host_memory.keep_freed_memory()  # before JAX starts its threads
   if args.compilation_cache:
     import jax
     jax.config.update('jax_compilation_cache_dir', args.compilation_cache)

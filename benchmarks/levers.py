@@ -28,6 +28,11 @@ projection are measured and not kept (they lose on CPU).
   backward on [batch * len, d]).
 - compilation_cache: `train.py --task=copy` wall time with a warm persistent
   compilation cache against a cold one (separate processes).
+- keep_freed_memory: the training step (batch 64 x 32 on `small`, 16 x 64 on
+  `base`) in a process whose malloc keeps freed memory for reuse
+  (host_memory.keep_freed_memory, as train.py and these benchmarks run),
+  against one with glibc's defaults, which page-fault the step's temporaries
+  in at every step (separate processes, one after the other).
 """
 
 import argparse
@@ -214,6 +219,49 @@ def compilation_cache(repeats):
   return {'with_s': warm, 'without_s': cold, 'speedup': cold / warm}
 
 
+# Best-of-`repeats` training-step seconds in a fresh process, malloc kept or
+# not (argv: with|without, config name, repeats); it must not import
+# benchmarks/common.py, which keeps freed memory on import.
+_STEP_IN_A_PROCESS = """
+import sys
+from flaxformer_mini import host_memory
+if sys.argv[1] == 'with':
+  host_memory.keep_freed_memory()
+import functools, time
+import jax, numpy as np
+from flaxformer_mini.config import get_config
+from flaxformer_mini.masks import make_batch
+from flaxformer_mini.training import create_train_state, train_step
+batch, length = {'small': (64, 32), 'base': (16, 64)}[sys.argv[2]]
+config = get_config(sys.argv[2]).replace(batch_size=batch, dropout_rate=0.1)
+ids = np.random.default_rng(0).integers(
+    3, config.src_vocab_size, (batch, length + 1)).astype(np.int32)
+ids[:, 0] = config.bos_id
+batch = make_batch(ids[:, 1:], ids, config)
+step = jax.jit(functools.partial(train_step, config=config), donate_argnums=0)
+state, rng = create_train_state(config, jax.random.key(0)), jax.random.key(1)
+times = []
+for _ in range(int(sys.argv[3]) + 1):
+  start = time.perf_counter()
+  state, metrics = step(state, batch, rng)
+  jax.block_until_ready((state, metrics))
+  times.append(time.perf_counter() - start)
+print(min(times[1:]))
+"""
+
+
+def keep_freed_memory(config_name: str, repeats: int) -> dict:
+  def best_step_s(mode):
+    done = subprocess.run(
+        [sys.executable, '-c', _STEP_IN_A_PROCESS, mode, config_name,
+         str(repeats)], check=True, capture_output=True, text=True)
+    return float(done.stdout.split()[-1])
+
+  with_s, without_s = best_step_s('with'), best_step_s('without')
+  return {'with_s': with_s, 'without_s': without_s,
+          'speedup': without_s / with_s}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='small', choices=['small', 'base'])
@@ -232,6 +280,8 @@ def main():
              for name, (measure, kept) in levers.items()}
   results['compilation_cache'] = {**compilation_cache(args.repeats),
                                   'kept': True}
+  results['keep_freed_memory'] = {
+      **keep_freed_memory(args.config, args.repeats), 'kept': True}
   common.emit({'benchmark': 'levers', 'config': args.config,
                'levers': results})
 

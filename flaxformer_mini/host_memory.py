@@ -1,0 +1,40 @@
+"""Host memory on a CPU backend: reuse each step's buffers instead of faulting them in.
+
+Every call of a compiled step on XLA's CPU backend allocates its temporary
+buffers (673 MB for the `small` training step, batch 64 x 32) and frees them
+when it returns. glibc's malloc serves blocks that large with a fresh mmap
+(from a per-thread arena, on XLA's worker threads) and unmaps them on free,
+so the next step's first touch of every page is a page fault: 177,000 per
+`small` step, a tenth of its time on a 2-core machine. One arena, no mmap and
+no trimming keep the freed blocks in the process, so the next step reuses
+them (benchmarks/levers.py: keep_freed_memory). The price is that the
+process keeps its peak footprint instead of returning it to the system.
+"""
+
+import ctypes
+import ctypes.util
+import platform
+
+# mallopt parameters, from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+# Never trim: a threshold beyond any heap (mallopt takes an int).
+_NEVER = 2**31 - 1
+
+
+def keep_freed_memory() -> bool:
+  """Makes glibc's malloc keep freed memory for reuse; False where it cannot.
+
+  Call it before JAX runs anything: XLA's worker threads pick their malloc
+  arena at their first allocation, and only threads that start afterwards
+  share the one arena. It does nothing (and returns False) off glibc, e.g.
+  on macOS. Process-wide, so it is for programs (train.py, the benchmarks,
+  the tests), not done on import of the library.
+  """
+  if platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
+    return False
+  libc = ctypes.CDLL(ctypes.util.find_library('c'))
+  # mallopt returns 1 on success, 0 on error.
+  return all(libc.mallopt(parameter, value) == 1 for parameter, value in (
+      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER)))
