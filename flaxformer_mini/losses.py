@@ -64,7 +64,15 @@ def label_smoothed_kl(logits, labels, label_smoothing: float, pad_id: int):
 
 
 def correct_tokens(logits, labels, pad_id: int):
-  """How many real target tokens the argmax predicts: -> int32[]."""
+  """How many real target tokens get the largest logit: -> int32[].
+
+  logits: float[batch, len, vocab]; labels: int32[batch, len]. The true
+  token's logit is compared with the maximum (which XLA shares with the
+  loss's log_softmax) rather than an argmax taken: an index reduction over
+  [batch, len, vocab] costs a twentieth of a `small` training step on CPU.
+  A tie for the largest logit counts as correct.
+  """
   real = labels != pad_id
-  return jnp.sum((jnp.argmax(logits, axis=-1) == labels) & real).astype(
-      jnp.int32)
+  true_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  ranked_first = true_logit >= jnp.max(logits, axis=-1)
+  return jnp.sum(ranked_first & real).astype(jnp.int32)

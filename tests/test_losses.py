@@ -70,3 +70,17 @@ def test_correct_tokens_counts_only_real_tokens():
   labels = jnp.array([[3, 4, PAD]])
   logits = jax.nn.one_hot(jnp.array([[3, 5, PAD]]), VOCAB)
   assert int(losses.correct_tokens(logits, labels, PAD)) == 1
+
+
+def test_correct_tokens_agrees_with_argmax_without_ties():
+  logits, labels = _logits_and_labels()
+  real = labels != PAD
+  expected = jnp.sum((jnp.argmax(logits, axis=-1) == labels) & real)
+  # Plant some hits: the label gets the largest logit at every other position.
+  planted = jnp.where(
+      (jnp.arange(labels.shape[-1]) % 2 == 0)[..., None] &
+      (jnp.arange(VOCAB) == labels[..., None]), 100.0, logits)
+  planted_expected = jnp.sum((jnp.argmax(planted, axis=-1) == labels) & real)
+  assert int(losses.correct_tokens(logits, labels, PAD)) == int(expected)
+  assert int(losses.correct_tokens(planted, labels, PAD)) == int(
+      planted_expected) > 0
