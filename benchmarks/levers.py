@@ -15,6 +15,9 @@ projection are measured and not kept (they lose on CPU).
   batch 32, 32 tokens.
 - two_stage_top_k: beam search's top 2k of beam x vocab as a top-k per beam
   then over beams, against one top-k over beam x vocab. [32, 4, vocab].
+- two_reduction_argmax: greedy search's next token as a max and then a min
+  over the indices that reach it (decoding._argmax), against jnp.argmax's
+  (value, index) reduction. [32, vocab].
 - closed_form_loss: the label-smoothed KL from log-probabilities, against
   materialising the smoothed one-hot target [batch, len, vocab]; loss +
   gradient w.r.t. the logits.
@@ -121,6 +124,15 @@ def two_stage_top_k(config, repeats):
   return compare(lambda: jax.block_until_ready(on(candidates)),
                  lambda: jax.block_until_ready(off(candidates)),
                  repeats * 20)
+
+
+def two_reduction_argmax(config, repeats):
+  logits = jax.random.normal(jax.random.key(0), (32, config.tgt_vocab_size))
+  on = jax.jit(decoding._argmax)  # pylint: disable=protected-access
+  off = jax.jit(lambda x: jnp.argmax(x, axis=-1))
+  np.testing.assert_array_equal(on(logits), off(logits))
+  return compare(lambda: on(logits).block_until_ready(),
+                 lambda: off(logits).block_until_ready(), repeats)
 
 
 def closed_form_loss(config, repeats):
@@ -271,6 +283,7 @@ def main():
   levers = {
       'cross_attention_memory': (cross_attention_memory, True),
       'two_stage_top_k': (two_stage_top_k, False),
+      'two_reduction_argmax': (two_reduction_argmax, True),
       'closed_form_loss': (closed_form_loss, True),
       'tied_logits_vjp': (tied_logits_vjp, True),
       'donated_state': (donated_state, True),

@@ -93,6 +93,17 @@ def test_greedy_equals_a_naive_loop_over_the_full_model(setup):
     assert np.all(row_ours[stop:] == cfg.pad_id)
 
 
+def test_argmax_as_two_reductions_equals_jnp_argmax():
+  scores = jax.random.normal(jax.random.key(0), (6, 50))
+  scores = scores.at[1].set(0.0)  # all tied: the first index
+  scores = scores.at[2, [7, 30]].set(9.0)  # a tie for the maximum
+  scores = scores.at[3, [4, 20]].set(jnp.nan)  # the first NaN, as argmax
+  scores = scores.at[4, 49].set(jnp.inf)
+  scores = scores.at[5].set(-jnp.inf)
+  np.testing.assert_array_equal(decoding._argmax(scores),  # pylint: disable=protected-access
+                                jnp.argmax(scores, axis=-1))
+
+
 def test_greedy_search_stops_each_row_at_eos_and_pads_after():
   eos, pad, bos = 2, 0, 1
   # A fake model whose next token is a fixed script per row.
