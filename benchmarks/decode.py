@@ -44,9 +44,8 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int):
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
   cache = decoding.init_cache(config, encoded, src_mask, gen_len)
-  step = decoding.transformer_tokens_to_logits(
-      params, config, decoding.expand_to_beams(encoded, beam_size),
-      decoding.expand_to_beams(src_mask, beam_size))
+  step = decoding.transformer_tokens_to_logits(params, config, encoded,
+                                               src_mask)
 
   def no_eos(tokens, cache):
     logits, cache = step(tokens, cache)

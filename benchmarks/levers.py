@@ -13,6 +13,10 @@ projection are measured and not kept (they lose on CPU).
 - cross_attention_memory: decoding projects the encoder output through W^K,
   W^V once (decoding.project_memory) instead of at every step. Greedy search,
   batch 32, 32 tokens.
+- beams_share_memory: beam search (beam 4, batch 32, 32 tokens, eos
+  impossible) with the encoder's cross-attention keys and values kept once
+  per sentence and shared by its beams (attention_shared_by_groups), against
+  the encoder output copied to every beam before they are projected.
 - two_stage_top_k: beam search's top 2k of beam x vocab as a top-k per beam
   then over beams, against one top-k over beam x vocab. [32, 4, vocab].
 - two_reduction_argmax: greedy search's next token as a max and then a min
@@ -103,6 +107,38 @@ def cross_attention_memory(config, repeats):
 
   on, off = (jax.jit(functools.partial(greedy, use_memory=flag))
              for flag in (True, False))
+  return compare(lambda: on(params, src).block_until_ready(),
+                 lambda: off(params, src).block_until_ready(), repeats)
+
+
+def beams_share_memory(config, repeats):
+  params = init_params(config, jax.random.key(0))
+  src = jnp.asarray(np.random.default_rng(0).integers(
+      3, config.src_vocab_size, (32, 32)), jnp.int32)
+  beams = 4
+
+  def search(params, src, share):
+    src_mask = padding_mask(src, config.pad_id)
+    encoded = Transformer(config).apply({'params': params}, src, src_mask,
+                                        method=Transformer.encode)
+    memory_rows = (encoded, src_mask) if share else (
+        decoding.expand_to_beams(encoded, beams),
+        decoding.expand_to_beams(src_mask, beams))
+    step = decoding.transformer_tokens_to_logits(params, config, *memory_rows)
+
+    def no_eos(tokens, cache):
+      logits, cache = step(tokens, cache)
+      return logits.at[:, config.eos_id].set(-jnp.inf), cache
+
+    return decoding.beam_search(
+        no_eos, decoding.init_cache(config, encoded, src_mask, 32),
+        batch_size=32, beam_size=beams, max_len=32, alpha=0.6,
+        bos_id=config.bos_id, eos_id=config.eos_id,
+        pad_id=config.pad_id).sequences
+
+  on, off = (jax.jit(functools.partial(search, share=flag))
+             for flag in (True, False))
+  np.testing.assert_array_equal(on(params, src), off(params, src))
   return compare(lambda: on(params, src).block_until_ready(),
                  lambda: off(params, src).block_until_ready(), repeats)
 
@@ -282,6 +318,7 @@ def main():
   config = get_config(args.config).replace(dropout_rate=0.1, max_len=64)
   levers = {
       'cross_attention_memory': (cross_attention_memory, True),
+      'beams_share_memory': (beams_share_memory, True),
       'two_stage_top_k': (two_stage_top_k, False),
       'two_reduction_argmax': (two_reduction_argmax, True),
       'closed_form_loss': (closed_form_loss, True),

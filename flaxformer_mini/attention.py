@@ -51,6 +51,44 @@ def scaled_dot_product_attention(
   return output, scores, weights
 
 
+def attention_shared_by_groups(query, key, value, mask=None,
+                               dropout=lambda weights: weights):
+  """Scaled dot-product attention where consecutive query rows share keys.
+
+  In beam search the `group` beams of one sentence attend to the same
+  encoder output, so its keys and values are kept once per sentence: the
+  group's queries are stacked along q_len and attend together, which reads
+  each sentence's keys once instead of once per beam.
+
+  Args:
+    query: [batch * group, heads, q_len, d_k], the rows of one group
+      consecutive.
+    key, value: [batch, heads, k_len, d_k].
+    mask: bool, broadcastable to [batch, heads, 1, k_len].
+    dropout: as in scaled_dot_product_attention.
+
+  Returns:
+    As scaled_dot_product_attention, for every query row: output
+    [batch * group, heads, q_len, d_k], scores and weights
+    [batch * group, heads, q_len, k_len].
+  """
+  rows, heads, q_len, _ = query.shape
+  batch = key.shape[0]
+  group = rows // batch
+
+  def per_group(x):  # [batch * group, heads, q_len, n] -> [batch, heads, group * q_len, n]
+    x = x.reshape(batch, group, heads, q_len, x.shape[-1])
+    return x.transpose(0, 2, 1, 3, 4).reshape(batch, heads, group * q_len, -1)
+
+  def per_row(x):  # the inverse
+    x = x.reshape(batch, heads, group, q_len, x.shape[-1])
+    return x.transpose(0, 2, 1, 3, 4).reshape(rows, heads, q_len, -1)
+
+  output, scores, weights = scaled_dot_product_attention(
+      per_group(query), key, value, mask, dropout)
+  return per_row(output), per_row(scores), per_row(weights)
+
+
 def split_heads(x, num_heads: int):
   """[batch, len, d_model] -> [batch, heads, len, d_k]."""
   batch, length, d_model = x.shape
@@ -74,7 +112,9 @@ class MultiHeadAttention(nn.Module):
   whole search: in decode mode it reads its keys and values from the 'memory'
   collection when they were projected once beforehand (see
   `decoding.project_memory`), instead of projecting the encoder output again
-  at every step.
+  at every step. Those keys and values may have one row per sentence while
+  the queries have one per beam (`beams` consecutive rows per sentence): the
+  beams then share them (`attention_shared_by_groups`).
   """
   config: TransformerConfig
   from_memory: bool = False
@@ -124,7 +164,11 @@ class MultiHeadAttention(nn.Module):
       key, value, mask = self._update_cache(key, value)
 
     dropout_layer = nn.Dropout(cfg.attention_dropout_rate)
-    heads, scores, weights = scaled_dot_product_attention(
+    # Beam search keeps the encoder output once per sentence, not per beam.
+    attend = (attention_shared_by_groups
+              if query.shape[0] != key.shape[0] else
+              scaled_dot_product_attention)
+    heads, scores, weights = attend(
         query, key, value, mask,
         dropout=lambda w: dropout_layer(w, deterministic=deterministic))
     self.sow('intermediates', 'scores', scores)

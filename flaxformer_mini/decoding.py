@@ -316,7 +316,10 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
 
   encoded: [batch, src_len, d_model] and src_mask: bool[batch, 1, 1, src_len]
   are fixed for the whole search (the encoder ran once, and the cross-
-  attention keys and values are projected once, by `project_memory`).
+  attention keys and values are projected once, by `project_memory`). The
+  function takes tokens for batch * beams rows (the beams of a sentence
+  consecutive, as `expand_to_beams` lays them out), which share their
+  sentence's encoder output.
   """
   model = Transformer(config)
   memory = project_memory(params, config, encoded, src_mask)
@@ -371,9 +374,10 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
                 ) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.
 
-  The encoder runs once; its output is expanded over the beams, and the
-  decoder runs one token per step with its key/value cache, reordered with
-  the surviving beams. The paper's settings are the defaults: beam 4,
+  The encoder runs once, and its keys and values for the cross-attention are
+  projected once per sentence and shared by its beams; the decoder runs one
+  token per step with its key/value cache, reordered with the surviving
+  beams. The paper's settings are the defaults: beam 4,
   alpha 0.6, max_len = source length + 50.
 
   Args:
@@ -392,9 +396,8 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
-  tokens_to_logits = transformer_tokens_to_logits(
-      params, config, expand_to_beams(encoded, beam_size),
-      expand_to_beams(src_mask, beam_size))
+  tokens_to_logits = transformer_tokens_to_logits(params, config, encoded,
+                                                  src_mask)
   return beam_search(
       tokens_to_logits, init_cache(config, encoded, src_mask, max_len),
       batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,

@@ -2,7 +2,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini.attention import (MultiHeadAttention, merge_heads,
+from flaxformer_mini.attention import (MultiHeadAttention,
+                                       attention_shared_by_groups, merge_heads,
                                        scaled_dot_product_attention,
                                        split_heads)
 from flaxformer_mini.config import get_config
@@ -41,6 +42,21 @@ def test_a_fully_masked_row_gets_zero_weights_not_nans():
       q, k, v, jnp.zeros((1, 1, 1, 5), bool))
   assert np.all(np.asarray(weights) == 0.0)
   assert np.all(np.isfinite(out))
+
+
+def test_groups_sharing_keys_attend_as_with_keys_repeated_per_row():
+  # 2 sentences x 3 beams of queries; keys, values and mask per sentence.
+  q, _, _ = _random_qkv(batch=6, q_len=2)
+  _, k, v = _random_qkv(batch=2)
+  mask = jnp.array([True, True, True, False, False])[None, None, None]
+  mask = jnp.concatenate([mask, jnp.ones_like(mask)])  # [2, 1, 1, 5]
+  shared = attention_shared_by_groups(q, k, v, mask)
+  repeat = lambda x: jnp.repeat(x, 3, axis=0)
+  repeated = scaled_dot_product_attention(q, repeat(k), repeat(v),
+                                          repeat(mask))
+  for got, expected in zip(shared, repeated):
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_split_and_merge_heads_are_inverses():

@@ -73,6 +73,33 @@ def test_the_encoder_output_is_projected_once_not_at_every_step(setup):
   assert matmuls(without) - matmuls(with_memory) == 2 * cfg.num_decoder_layers
 
 
+def test_beams_share_their_sentences_memory(setup):
+  # Beam search keeps the encoder's keys and values once per sentence; each
+  # beam's step must give the logits it gets with the encoder output copied
+  # to every beam.
+  cfg, params, src = setup
+  beams, max_len = 2, 5
+  src_mask = padding_mask(src, cfg.pad_id)
+  encoded = Transformer(cfg).apply({'params': params}, src, src_mask,
+                                   method=Transformer.encode)
+  tgt_in = jnp.asarray(np.random.default_rng(3).integers(
+      3, cfg.tgt_vocab_size, size=(3 * beams, max_len)), jnp.int32)
+  expand = functools.partial(decoding.expand_to_beams, beam_size=beams)
+  shared = decoding.transformer_tokens_to_logits(params, cfg, encoded,
+                                                 src_mask)
+  copied = decoding.transformer_tokens_to_logits(params, cfg, expand(encoded),
+                                                 expand(src_mask))
+  memory = decoding.project_memory(params, cfg, encoded, src_mask)
+  assert memory['decoder']['layer_0']['cross_attention']['key'].shape[0] == 3
+  cache = decoding.init_cache(cfg, expand(encoded), expand(src_mask), max_len)
+  shared_cache = copied_cache = cache
+  for t in range(max_len):
+    shared_logits, shared_cache = shared(tgt_in[:, t:t + 1], shared_cache)
+    copied_logits, copied_cache = copied(tgt_in[:, t:t + 1], copied_cache)
+    np.testing.assert_allclose(shared_logits, copied_logits, rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_greedy_equals_a_naive_loop_over_the_full_model(setup):
   cfg, params, src = setup
   max_len = 6
