@@ -117,8 +117,11 @@ def parse(argv: list[str]):
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
   # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import host_memory
-  host_memory.keep_freed_memory()  # before JAX starts its threads
+  if args.task == 'translate':
+    # Before JAX starts its threads. Not for the copy task: its steps are
+    # small, and one malloc arena would slow its compiles (host_memory.py).
+    from flaxformer_mini import host_memory
+    host_memory.keep_freed_memory()
   if args.compilation_cache:
     import jax
     jax.config.update('jax_compilation_cache_dir', args.compilation_cache)

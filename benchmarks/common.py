@@ -11,8 +11,9 @@ import jax
 
 from flaxformer_mini import host_memory
 
-# Every benchmark runs its steps the way train.py does: with freed host memory
-# kept for reuse (set here, on import, before any benchmark runs JAX).
+# Every benchmark runs its steps as `train.py --task=translate` does: with
+# freed host memory kept for reuse (set here, on import, before any benchmark
+# runs JAX). The copy-task benchmark runs train.py itself.
 host_memory.keep_freed_memory()
 
 

@@ -15,10 +15,6 @@ os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
-from flaxformer_mini import host_memory  # pylint: disable=g-import-not-at-top
-
-host_memory.keep_freed_memory()  # as train.py does, before JAX runs anything
-
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import pytest
