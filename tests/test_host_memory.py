@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from flaxformer_mini import host_memory
+
 # A step-like computation: a [2048, 2048] activation from a matmul, then a
 # nonlinearity and a reduction. Its buffers are allocated at every call and
 # freed on return. Prints the page faults of three calls after two warm-ups.
@@ -42,3 +44,11 @@ def test_freed_buffers_are_reused_instead_of_faulted_in():
   default = _faults('default')
   assert default > 3 * activation_pages  # each call faults its buffers in
   assert _faults('keep') < default / 10
+
+
+def test_an_accelerator_backend_is_left_alone(monkeypatch):
+  monkeypatch.setenv('JAX_PLATFORMS', 'cuda,cpu')
+  assert not host_memory.will_run_on_cpu()
+  assert not host_memory.keep_freed_memory()
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  assert host_memory.will_run_on_cpu()
