@@ -34,8 +34,8 @@ def _argmax(scores):
 
   The first index of the maximum (or of the first NaN, as jnp.argmax), found
   by a max and then a min over the indices that reach it: XLA's CPU backend
-  runs these 4x faster than argmax's reduction of (value, index) pairs, a
-  twelfth of a greedy step of `base` at batch 32.
+  runs these 2.4-4x faster than argmax's reduction of (value, index) pairs,
+  which took a thirteenth of a greedy step of `base` at batch 32.
   """
   best = jnp.max(scores, axis=-1, keepdims=True)
   indices = jnp.arange(scores.shape[-1], dtype=jnp.int32)

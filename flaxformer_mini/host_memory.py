@@ -5,7 +5,7 @@ buffers (673 MB for the `small` training step, batch 64 x 32) and frees them
 when it returns. glibc's malloc serves blocks that large with a fresh mmap
 (from a per-thread arena, on XLA's worker threads) and unmaps them on free,
 so the next step's first touch of every page is a page fault: 177,000 per
-`small` step, a tenth of its time on a 2-core machine. One arena, no mmap and
+`small` step, a sixth of its time on a 2-core machine. One arena, no mmap and
 no trimming keep the freed blocks in the process, so the next step reuses
 them (benchmarks/levers.py: keep_freed_memory: 1.2x on that step).
 
