@@ -30,14 +30,18 @@ def environment() -> dict:
   }
 
 
-def median_seconds(run, repeats: int) -> float:
-  """Median wall time of `run()`, which must block until its work is done."""
+def _wall_times(run, repeats: int) -> list[float]:
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     run()
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return times
+
+
+def median_seconds(run, repeats: int) -> float:
+  """Median wall time of `run()`, which must block until its work is done."""
+  return statistics.median(_wall_times(run, repeats))
 
 
 def best_seconds(run, repeats: int) -> float:
@@ -47,12 +51,7 @@ def best_seconds(run, repeats: int) -> float:
   least disturbed by the rest of the machine.
   """
   run()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    run()
-    times.append(time.perf_counter() - start)
-  return min(times)
+  return min(_wall_times(run, repeats))
 
 
 def emit(result: dict) -> None:

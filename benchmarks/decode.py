@@ -34,18 +34,23 @@ import common
 import flax_wmt
 
 
-def decode_without_eos(params, src, config, beam_size: int, gen_len: int):
+def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
+                       beams_share_memory: bool = True):
   """Greedy (beam_size 1) or beam search that can never stop before gen_len.
 
   Built from the library's model-agnostic pieces, with the one change of
-  forbidding eos. -> int32[batch, gen_len].
+  forbidding eos. beams_share_memory=False copies the encoder output to every
+  beam before its keys and values are projected (what the library did before
+  they were shared; benchmarks/levers.py). -> int32[batch, gen_len].
   """
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
   cache = decoding.init_cache(config, encoded, src_mask, gen_len)
-  step = decoding.transformer_tokens_to_logits(params, config, encoded,
-                                               src_mask)
+  memory_rows = (encoded, src_mask) if beams_share_memory else (
+      decoding.expand_to_beams(encoded, beam_size),
+      decoding.expand_to_beams(src_mask, beam_size))
+  step = decoding.transformer_tokens_to_logits(params, config, *memory_rows)
 
   def no_eos(tokens, cache):
     logits, cache = step(tokens, cache)

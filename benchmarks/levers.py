@@ -61,6 +61,7 @@ from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import create_train_state, init_params, train_step
 
 import common
+import decode as decode_bench
 import train_step as train_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,29 +116,9 @@ def beams_share_memory(config, repeats):
   params = init_params(config, jax.random.key(0))
   src = jnp.asarray(np.random.default_rng(0).integers(
       3, config.src_vocab_size, (32, 32)), jnp.int32)
-  beams = 4
-
-  def search(params, src, share):
-    src_mask = padding_mask(src, config.pad_id)
-    encoded = Transformer(config).apply({'params': params}, src, src_mask,
-                                        method=Transformer.encode)
-    memory_rows = (encoded, src_mask) if share else (
-        decoding.expand_to_beams(encoded, beams),
-        decoding.expand_to_beams(src_mask, beams))
-    step = decoding.transformer_tokens_to_logits(params, config, *memory_rows)
-
-    def no_eos(tokens, cache):
-      logits, cache = step(tokens, cache)
-      return logits.at[:, config.eos_id].set(-jnp.inf), cache
-
-    return decoding.beam_search(
-        no_eos, decoding.init_cache(config, encoded, src_mask, 32),
-        batch_size=32, beam_size=beams, max_len=32, alpha=0.6,
-        bos_id=config.bos_id, eos_id=config.eos_id,
-        pad_id=config.pad_id).sequences
-
-  on, off = (jax.jit(functools.partial(search, share=flag))
-             for flag in (True, False))
+  on, off = (jax.jit(functools.partial(
+      decode_bench.decode_without_eos, config=config, beam_size=4, gen_len=32,
+      beams_share_memory=flag)) for flag in (True, False))
   np.testing.assert_array_equal(on(params, src), off(params, src))
   return compare(lambda: on(params, src).block_until_ready(),
                  lambda: off(params, src).block_until_ready(), repeats)
@@ -268,8 +249,8 @@ def compilation_cache(repeats):
 
 
 # Best-of-`repeats` training-step seconds in a fresh process, malloc kept or
-# not (argv: with|without, config name, repeats); it must not import
-# benchmarks/common.py, which keeps freed memory on import.
+# not (argv: with|without, config name, batch, length, repeats); it must not
+# import benchmarks/common.py, which keeps freed memory on import.
 _STEP_IN_A_PROCESS = """
 import sys
 from flaxformer_mini import host_memory
@@ -280,7 +261,7 @@ import jax, numpy as np
 from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import make_batch
 from flaxformer_mini.training import create_train_state, train_step
-batch, length = {'small': (64, 32), 'base': (16, 64)}[sys.argv[2]]
+batch, length = int(sys.argv[3]), int(sys.argv[4])
 config = get_config(sys.argv[2]).replace(batch_size=batch, dropout_rate=0.1)
 ids = np.random.default_rng(0).integers(
     3, config.src_vocab_size, (batch, length + 1)).astype(np.int32)
@@ -289,7 +270,7 @@ batch = make_batch(ids[:, 1:], ids, config)
 step = jax.jit(functools.partial(train_step, config=config), donate_argnums=0)
 state, rng = create_train_state(config, jax.random.key(0)), jax.random.key(1)
 times = []
-for _ in range(int(sys.argv[3]) + 1):
+for _ in range(int(sys.argv[5]) + 1):
   start = time.perf_counter()
   state, metrics = step(state, batch, rng)
   jax.block_until_ready((state, metrics))
@@ -302,7 +283,8 @@ def keep_freed_memory(config_name: str, repeats: int) -> dict:
   def best_step_s(mode):
     done = subprocess.run(
         [sys.executable, '-c', _STEP_IN_A_PROCESS, mode, config_name,
-         str(repeats)], check=True, capture_output=True, text=True)
+         *map(str, train_bench.SHAPES[config_name]), str(repeats)],
+        check=True, capture_output=True, text=True)
     return float(done.stdout.split()[-1])
 
   with_s, without_s = best_step_s('with'), best_step_s('without')
