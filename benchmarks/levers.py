@@ -35,6 +35,10 @@ projection are measured and not kept (they lose on CPU).
   in place), against a step that does not.
 - fused_qkv: one [d, 3d] projection instead of three [d, d] (forward +
   backward on [batch * len, d]).
+- scan_layers_compile, scan_layers_step: the `base` training step
+  (16 x 64, whatever --config) with its layers as one nn.scan each
+  (config.scan_layers, an option) against unrolled: compile seconds, then
+  step seconds.
 - compilation_cache: `train.py --task=copy` wall time with a warm persistent
   compilation cache against a cold one (separate processes).
 - keep_freed_memory: the training step (batch 64 x 32 on `small`, 16 x 64 on
@@ -244,6 +248,35 @@ def fused_qkv(config, repeats):
                  lambda: jax.block_until_ready(off(kernels, x)), repeats)
 
 
+def scan_layers(repeats) -> dict:
+  """The base training step (16 x 64) compiled and run with scan_layers."""
+  batch, length = train_bench.SHAPES['base']
+  config = get_config('base').replace(batch_size=batch)
+  host = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
+  rng = jax.random.key(1)
+  compile_s, steps = {}, {}
+  for name, scan in (('with', True), ('without', False)):
+    c = config.replace(scan_layers=scan)
+    state = create_train_state(c, jax.random.key(0))
+    start = time.perf_counter()
+    compiled = jax.jit(functools.partial(train_step, config=c),
+                       donate_argnums=0).lower(state, host, rng).compile()
+    compile_s[name] = time.perf_counter() - start
+    holder = {'state': state}
+
+    def run(compiled=compiled, holder=holder):
+      holder['state'], metrics = compiled(holder['state'], host, rng)
+      jax.block_until_ready((holder['state'], metrics))
+
+    steps[name] = run
+  step = compare(steps['with'], steps['without'], repeats)
+  return {
+      'scan_layers_compile': {
+          'with_s': compile_s['with'], 'without_s': compile_s['without'],
+          'speedup': compile_s['without'] / compile_s['with']},
+      'scan_layers_step': step}
+
+
 def compilation_cache(repeats):
   del repeats  # two whole training runs: one each
   with tempfile.TemporaryDirectory() as cache_dir:
@@ -327,6 +360,8 @@ def main():
              for name, (measure, kept) in levers.items()}
   results['compilation_cache'] = {**compilation_cache(args.repeats),
                                   'kept': True}
+  for name, result in scan_layers(max(3, args.repeats // 3)).items():
+    results[name] = {**result, 'kept': 'option'}
   results['keep_freed_memory'] = {
       **keep_freed_memory(args.config, args.repeats), 'kept': True}
   common.emit({'benchmark': 'levers', 'config': args.config,

@@ -107,8 +107,13 @@ def table(results: list[dict]) -> str:
       for name, lever in r['levers'].items():
         lines.append(f"| {name} | {lever['with_s']:.4f} | "
                      f"{lever['without_s']:.4f} | {lever['speedup']:.2f}x | "
-                     f"{'yes' if lever['kept'] else 'no'} |")
+                     f"{_kept(lever['kept'])} |")
   return '\n'.join(lines)
+
+
+def _kept(kept) -> str:
+  """yes, no, or what else the lever is (an 'option', off by default)."""
+  return {True: 'yes', False: 'no'}.get(kept, kept)
 
 
 def _annotated_table(rest: list[dict]) -> list[str]:

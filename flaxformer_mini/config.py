@@ -53,6 +53,10 @@ class TransformerConfig:
   # keeping them (jax.checkpoint): far less activation memory for large
   # models and long sentences, for about one more forward pass of compute.
   remat: bool = False
+  # Run each stack's layers as one nn.scan over stacked parameters instead
+  # of unrolled: one layer's code to compile, whatever the depth. Changes the
+  # parameter tree (model.unroll_layers / model.scan_layers convert).
+  scan_layers: bool = False
 
   # The objective and the optimizer.
   label_smoothing: float = 0.1

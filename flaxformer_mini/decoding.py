@@ -5,7 +5,8 @@ The core is model-agnostic (as in T5X): a search takes a function
 inside the model. The Transformer entry points below build that function from
 params: the encoder runs once, then the decoder runs one token per step with
 its key/value cache. Everything is a jax.lax loop, so the whole search runs on
-the device and can be jitted, vmapped or sharded by the caller.
+the device and can be jitted, vmapped or sharded by the caller. A model
+trained with scan_layers decodes with its layers unrolled (`model.unrolled`).
 
 Neither search ever emits pad (the filler after eos) or bos (it only starts a
 sequence); scores stay the model's own log-probabilities.
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import padding_mask
-from flaxformer_mini.model import Transformer
+from flaxformer_mini.model import Transformer, unrolled
 
 TokensToLogits = Callable[[jnp.ndarray, Any], tuple[jnp.ndarray, Any]]
 
@@ -321,7 +322,7 @@ def init_cache(config: TransformerConfig, encoded, src_mask, max_len: int):
   encoded: [batch, src_len, d_model] -> a pytree of [batch, heads, max_len,
   d_k] keys and values per decoder layer, plus the position counters.
   """
-  model = Transformer(config)
+  model = Transformer(unrolled(None, config)[1])
   dummy = jnp.zeros((encoded.shape[0], max_len), jnp.int32)
   shapes = jax.eval_shape(
       lambda: model.init(jax.random.key(0), encoded, src_mask, dummy,
@@ -336,6 +337,7 @@ def project_memory(params, config: TransformerConfig, encoded, src_mask):
   W^V are computed once here, not at every step. -> the 'memory' collection:
   per layer key and value [batch, heads, src_len, d_k].
   """
+  params, config = unrolled(params, config)
   first = jnp.full((encoded.shape[0], 1), config.bos_id, jnp.int32)
   _, variables = Transformer(config).apply(
       {'params': params}, encoded, src_mask, first, decode=True,
@@ -354,6 +356,7 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
   consecutive, as `expand_to_beams` lays them out), which share their
   sentence's encoder output.
   """
+  params, config = unrolled(params, config)
   model = Transformer(config)
   memory = project_memory(params, config, encoded, src_mask)
 
@@ -387,6 +390,7 @@ def greedy_decode(params, src, config: TransformerConfig, max_len: int):
     int32[batch, max_len] output ids: the tokens, eos, then pad.
   """
   check_max_len(config, max_len)
+  params, config = unrolled(params, config)
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
@@ -426,6 +430,7 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
   """
   max_len = default_max_len(config, src.shape[1]) if max_len is None else max_len
   check_max_len(config, max_len)
+  params, config = unrolled(params, config)
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)

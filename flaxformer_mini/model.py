@@ -4,12 +4,96 @@
 runs the encoder once and then calls the decoder token by token.
 """
 
+from typing import Any
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.embeddings import PositionalEncoding, TokenEmbedding
 from flaxformer_mini.layers import DecoderLayer, EncoderLayer
+
+STACKS = {'encoder': 'num_encoder_layers', 'decoder': 'num_decoder_layers'}
+
+
+class _ScanBody(nn.Module):
+  """One layer as nn.scan's body: (x, None) from x and the shared arguments.
+
+  `trailing` holds the layer's Python arguments (deterministic, decode),
+  which nn.scan cannot carry or broadcast as arrays.
+  """
+  config: TransformerConfig
+  layer: type
+  trailing: tuple
+  static_argnums: tuple
+
+  @nn.compact
+  def __call__(self, x, *shared):
+    layer = (nn.remat(self.layer, static_argnums=self.static_argnums)
+             if self.config.remat else self.layer)
+    return layer(self.config, name='layer')(x, *shared, *self.trailing), None
+
+
+def _layer_stack(config: TransformerConfig, layer: type, count: int,
+                 trailing: tuple, static_argnums: tuple, layer_by_layer):
+  """Applies `count` layers: unrolled (layer_0, layer_1, ...) or as one scan.
+
+  Unrolled, every layer is its own module: each has its own XLA code,
+  so compile time grows with depth. With config.scan_layers, nn.scan runs one
+  compiled layer `count` times over parameters stacked along a leading
+  [count] axis (under encoder/layers/layer or decoder/layers/layer), and
+  gives each layer its own dropout key. Returns a function of (x, *shared).
+  """
+  if not config.scan_layers:
+    return layer_by_layer
+  stack = nn.scan(_ScanBody, variable_axes={'params': 0, 'intermediates': 0},
+                  split_rngs={'params': True, 'dropout': True},
+                  in_axes=nn.broadcast, length=count)(
+                      config, layer, trailing, static_argnums, name='layers')
+  return lambda x, *shared: stack(x, *shared)[0]
+
+
+def unroll_layers(params, config: TransformerConfig):
+  """Parameters of a scan_layers model as those of the unrolled model.
+
+  encoder/layers/layer/... [num_layers, ...] -> encoder/layer_i/... (and the
+  same for the decoder); everything else is unchanged.
+  """
+  params = dict(params)
+  for stack, count in STACKS.items():
+    layers = dict(params[stack])
+    stacked = layers.pop('layers')['layer']
+    for i in range(getattr(config, count)):
+      layers[f'layer_{i}'] = jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
+    params[stack] = layers
+  return params
+
+
+def scan_layers(params, config: TransformerConfig):
+  """The inverse of unroll_layers: per-layer parameters stacked for scan."""
+  params = dict(params)
+  for stack, count in STACKS.items():
+    layers = dict(params[stack])
+    per_layer = [layers.pop(f'layer_{i}')
+                 for i in range(getattr(config, count))]
+    layers['layers'] = {
+        'layer': jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)}
+    params[stack] = layers
+  return params
+
+
+def unrolled(params, config: TransformerConfig) -> tuple[Any, TransformerConfig]:
+  """(params, config) of the same model with its layers unrolled.
+
+  Decoding (one small step at a time: nothing for a loop to save) and the
+  tensor tour (which names each layer's tensors) run the unrolled model.
+  params may be None, for the config alone.
+  """
+  if not config.scan_layers:
+    return params, config
+  return (None if params is None else unroll_layers(params, config),
+          config.replace(scan_layers=False))
 
 
 class Encoder(nn.Module):
@@ -29,10 +113,17 @@ class Encoder(nn.Module):
     x = PositionalEncoding(cfg)(tokens)
     self.sow('intermediates', 'embedded', x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    # Argument 3 (self is 0) of a layer is deterministic.
     layer = (nn.remat(EncoderLayer, static_argnums=(3,)) if cfg.remat else
-             EncoderLayer)  # argument 3 (self is 0): deterministic
-    for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
+             EncoderLayer)
+
+    def layer_by_layer(x, src_mask):
+      for i in range(cfg.num_encoder_layers):
+        x = layer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
+      return x
+
+    x = _layer_stack(cfg, EncoderLayer, cfg.num_encoder_layers,
+                     (deterministic,), (3,), layer_by_layer)(x, src_mask)
     if cfg.pre_norm:
       x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
                        name='final_norm')(x)
@@ -58,12 +149,23 @@ class Decoder(nn.Module):
     y = PositionalEncoding(cfg)(tokens, decode=decode)
     self.sow('intermediates', 'embedded', y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    if decode and cfg.scan_layers:
+      raise ValueError(
+          'Decoding runs the unrolled layers: decode with '
+          'model.unrolled(params, config) (the decoding module does).')
     # Nothing to recompute while decoding: no backward pass.
     layer = (nn.remat(DecoderLayer, static_argnums=(5, 6))
              if cfg.remat and not decode else DecoderLayer)
-    for i in range(cfg.num_decoder_layers):
-      y = layer(cfg, name=f'layer_{i}')(
-          y, encoded, src_mask, tgt_mask, deterministic, decode)
+
+    def layer_by_layer(y, encoded, src_mask, tgt_mask):
+      for i in range(cfg.num_decoder_layers):
+        y = layer(cfg, name=f'layer_{i}')(
+            y, encoded, src_mask, tgt_mask, deterministic, decode)
+      return y
+
+    y = _layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers,
+                     (deterministic, decode), (5, 6), layer_by_layer)(
+                         y, encoded, src_mask, tgt_mask)
     if cfg.pre_norm:
       y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
                        name='final_norm')(y)

@@ -24,7 +24,7 @@ import numpy as np
 from flaxformer_mini import config as config_lib
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch, make_batch
-from flaxformer_mini.model import Transformer
+from flaxformer_mini.model import Transformer, unrolled
 from flaxformer_mini.training import init_params
 
 # Axes of each sown tensor; {q} and {k} are filled in per attention block.
@@ -114,6 +114,9 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
     sum, and per layer each attention block's query/key/value/scores/weights/
     heads/concatenated/output and each sublayer's output; then the logits.
   """
+  # Each layer's tensors are named for it: run the layers unrolled.
+  params, config = unrolled(params, config)
+
   def forward(params, batch):
     return Transformer(config).apply(
         {'params': params}, batch.src, batch.tgt_in, batch.src_mask,

@@ -7,7 +7,7 @@ import pytest
 
 from flaxformer_mini import decoding
 from flaxformer_mini.masks import make_batch, padding_mask, target_mask
-from flaxformer_mini.model import Transformer
+from flaxformer_mini.model import Transformer, unroll_layers
 from flaxformer_mini.training import init_params
 
 
@@ -98,6 +98,25 @@ def test_beams_share_their_sentences_memory(setup):
     copied_logits, copied_cache = copied(tgt_in[:, t:t + 1], copied_cache)
     np.testing.assert_allclose(shared_logits, copied_logits, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_scanned_model_decodes_as_the_unrolled_one(setup):
+  cfg, _, src = setup
+  scanned_cfg = cfg.replace(scan_layers=True)
+  params = init_params(scanned_cfg, jax.random.key(2))
+  per_layer = unroll_layers(params, cfg)
+  np.testing.assert_array_equal(
+      decoding.greedy_decode(params, src, scanned_cfg, max_len=6),
+      decoding.greedy_decode(per_layer, src, cfg, max_len=6))
+  scanned, plain = (decoding.beam_decode(p, src, c, beam_size=3, max_len=6)
+                    for p, c in ((params, scanned_cfg), (per_layer, cfg)))
+  np.testing.assert_array_equal(scanned.sequences, plain.sequences)
+  np.testing.assert_allclose(scanned.scores, plain.scores, rtol=1e-6)
+  with pytest.raises(ValueError, match='unrolled'):
+    Transformer(scanned_cfg).apply(
+        {'params': params}, jnp.zeros((3, 6, cfg.d_model)),
+        padding_mask(src, cfg.pad_id), src[:, :1], decode=True,
+        mutable=['cache'], method=Transformer.decode)
 
 
 def test_greedy_equals_a_naive_loop_over_the_full_model(setup):
