@@ -54,7 +54,8 @@ def _top_k(scores, k: int):
   going to the lower index, with the large top-k over n entries replaced by
   a reduction. Chunks of about sqrt(n / k) entries balance the two small
   top-ks; one that divides n spares a padded copy of the scores. XLA's CPU
-  top-k took a tenth of a beam search; this is 6x faster on [32, 4 x 8000].
+  top-k took a tenth of a beam search; this is 6.8x faster on
+  [32, 4 x 8000] and 8.1x on [32, 4 x 32000].
 
   Returns:
     (values [rows, k], int32 indices [rows, k]), best first.
@@ -68,8 +69,8 @@ def _top_k(scores, k: int):
   chunks = -(-n // chunk)
   padded = jnp.pad(scores, ((0, 0), (0, chunks * chunk - n)),
                    constant_values=-jnp.inf).reshape(rows, chunks, chunk)
-  # Sorted, so that the entries below stay in index order for the ties.
   _, best_chunks = jax.lax.top_k(padded.max(axis=-1), min(k, chunks))
+  # Sorted, so that the entries below stay in index order for the ties.
   best_chunks = jnp.sort(best_chunks, axis=-1)  # [rows, k]
   entries = jnp.take_along_axis(padded, best_chunks[:, :, None], axis=1)
   values, picks = jax.lax.top_k(entries.reshape(rows, -1), k)

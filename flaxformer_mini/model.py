@@ -18,7 +18,7 @@ STACKS = {'encoder': 'num_encoder_layers', 'decoder': 'num_decoder_layers'}
 
 
 class _ScanBody(nn.Module):
-  """One layer as nn.scan's body: (x, None) from x and the shared arguments.
+  """One layer as nn.scan's body: x and the shared arguments -> (x, None).
 
   `trailing` holds the layer's Python arguments (deterministic, decode),
   which nn.scan cannot carry or broadcast as arrays.
@@ -26,32 +26,27 @@ class _ScanBody(nn.Module):
   config: TransformerConfig
   layer: type
   trailing: tuple
-  static_argnums: tuple
 
   @nn.compact
   def __call__(self, x, *shared):
-    layer = (nn.remat(self.layer, static_argnums=self.static_argnums)
-             if self.config.remat else self.layer)
-    return layer(self.config, name='layer')(x, *shared, *self.trailing), None
+    return self.layer(self.config, name='layer')(x, *shared,
+                                                 *self.trailing), None
 
 
-def _layer_stack(config: TransformerConfig, layer: type, count: int,
-                 trailing: tuple, static_argnums: tuple, layer_by_layer):
-  """Applies `count` layers: unrolled (layer_0, layer_1, ...) or as one scan.
+def _scanned_layers(config: TransformerConfig, layer: type, count: int,
+                    trailing: tuple):
+  """`count` layers as one nn.scan (config.scan_layers).
 
-  Unrolled, every layer is its own module: each has its own XLA code,
-  so compile time grows with depth. With config.scan_layers, nn.scan runs one
-  compiled layer `count` times over parameters stacked along a leading
-  [count] axis (under encoder/layers/layer or decoder/layers/layer), and
-  gives each layer its own dropout key. Returns a function of (x, *shared).
+  Unrolled, every layer is its own module with its own XLA code, so compile
+  time grows with depth. The scan runs one compiled layer `count` times over
+  parameters stacked along a leading [count] axis (under .../layers/layer)
+  and gives each layer its own dropout key. -> a module of (x, *shared)
+  returning (x, None).
   """
-  if not config.scan_layers:
-    return layer_by_layer
-  stack = nn.scan(_ScanBody, variable_axes={'params': 0, 'intermediates': 0},
-                  split_rngs={'params': True, 'dropout': True},
-                  in_axes=nn.broadcast, length=count)(
-                      config, layer, trailing, static_argnums, name='layers')
-  return lambda x, *shared: stack(x, *shared)[0]
+  return nn.scan(_ScanBody, variable_axes={'params': 0, 'intermediates': 0},
+                 split_rngs={'params': True, 'dropout': True},
+                 in_axes=nn.broadcast, length=count)(
+                     config, layer, trailing, name='layers')
 
 
 def unroll_layers(params, config: TransformerConfig):
@@ -113,17 +108,14 @@ class Encoder(nn.Module):
     x = PositionalEncoding(cfg)(tokens)
     self.sow('intermediates', 'embedded', x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-    # Argument 3 (self is 0) of a layer is deterministic.
     layer = (nn.remat(EncoderLayer, static_argnums=(3,)) if cfg.remat else
-             EncoderLayer)
-
-    def layer_by_layer(x, src_mask):
+             EncoderLayer)  # argument 3 (self is 0): deterministic
+    if cfg.scan_layers:
+      x, _ = _scanned_layers(cfg, layer, cfg.num_encoder_layers,
+                             (deterministic,))(x, src_mask)
+    else:
       for i in range(cfg.num_encoder_layers):
         x = layer(cfg, name=f'layer_{i}')(x, src_mask, deterministic)
-      return x
-
-    x = _layer_stack(cfg, EncoderLayer, cfg.num_encoder_layers,
-                     (deterministic,), (3,), layer_by_layer)(x, src_mask)
     if cfg.pre_norm:
       x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
                        name='final_norm')(x)
@@ -157,15 +149,14 @@ class Decoder(nn.Module):
     layer = (nn.remat(DecoderLayer, static_argnums=(5, 6))
              if cfg.remat and not decode else DecoderLayer)
 
-    def layer_by_layer(y, encoded, src_mask, tgt_mask):
+    if cfg.scan_layers:
+      y, _ = _scanned_layers(cfg, layer, cfg.num_decoder_layers,
+                             (deterministic, decode))(y, encoded, src_mask,
+                                                      tgt_mask)
+    else:
       for i in range(cfg.num_decoder_layers):
         y = layer(cfg, name=f'layer_{i}')(
             y, encoded, src_mask, tgt_mask, deterministic, decode)
-      return y
-
-    y = _layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers,
-                     (deterministic, decode), (5, 6), layer_by_layer)(
-                         y, encoded, src_mask, tgt_mask)
     if cfg.pre_norm:
       y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
                        name='final_norm')(y)

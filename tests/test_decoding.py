@@ -150,7 +150,7 @@ def test_argmax_as_two_reductions_equals_jnp_argmax():
                                 jnp.argmax(scores, axis=-1))
 
 
-@pytest.mark.parametrize('n, k', [(4 * 800, 8), (4 * 801, 8), (7, 3),
+@pytest.mark.parametrize('n, k', [(4 * 800, 8), (4 * 801, 8), (997, 8), (7, 3),
                                   (10, 10), (1, 1)])
 def test_top_k_by_chunk_maxima_equals_lax_top_k(n, k):
   rng = np.random.default_rng(n)
