@@ -19,8 +19,6 @@ projection are measured and not kept (they lose on CPU).
   the encoder output copied to every beam before they are projected.
 - two_stage_top_k: beam search's top 2k of beam x vocab as a top-k per beam
   then over beams, against one top-k over beam x vocab. [32, 4, vocab].
-- top_k_by_chunk_maxima: the same top 2k of [32, beam x vocab] from the
-  maxima of chunks (decoding._top_k), against jax.lax.top_k over it all.
 - two_reduction_argmax: greedy search's next token as a max and then a min
   over the indices that reach it (decoding._argmax), against jnp.argmax's
   (value, index) reduction. [32, vocab].
@@ -144,18 +142,6 @@ def two_stage_top_k(config, repeats):
 
   on, off = jax.jit(two_stages), jax.jit(one_stage)
   np.testing.assert_array_equal(on(candidates)[0], off(candidates)[0])
-  return compare(lambda: jax.block_until_ready(on(candidates)),
-                 lambda: jax.block_until_ready(off(candidates)),
-                 repeats * 20)
-
-
-def top_k_by_chunk_maxima(config, repeats):
-  beams, vocab = 4, config.tgt_vocab_size
-  candidates = jax.random.normal(jax.random.key(0),
-                                 (32, beams * vocab))
-  on = jax.jit(lambda x: decoding._top_k(x, 2 * beams))  # pylint: disable=protected-access
-  off = jax.jit(lambda x: jax.lax.top_k(x, 2 * beams))
-  np.testing.assert_array_equal(on(candidates)[1], off(candidates)[1])
   return compare(lambda: jax.block_until_ready(on(candidates)),
                  lambda: jax.block_until_ready(off(candidates)),
                  repeats * 20)
@@ -349,7 +335,6 @@ def main():
       'cross_attention_memory': (cross_attention_memory, True),
       'beams_share_memory': (beams_share_memory, True),
       'two_stage_top_k': (two_stage_top_k, False),
-      'top_k_by_chunk_maxima': (top_k_by_chunk_maxima, True),
       'two_reduction_argmax': (two_reduction_argmax, True),
       'closed_form_loss': (closed_form_loss, True),
       'tied_logits_vjp': (tied_logits_vjp, True),

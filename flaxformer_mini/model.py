@@ -14,7 +14,7 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.embeddings import PositionalEncoding, TokenEmbedding
 from flaxformer_mini.layers import DecoderLayer, EncoderLayer
 
-STACKS = {'encoder': 'num_encoder_layers', 'decoder': 'num_decoder_layers'}
+_STACKS = {'encoder': 'num_encoder_layers', 'decoder': 'num_decoder_layers'}
 
 
 class _ScanBody(nn.Module):
@@ -56,7 +56,7 @@ def unroll_layers(params, config: TransformerConfig):
   same for the decoder); everything else is unchanged.
   """
   params = dict(params)
-  for stack, count in STACKS.items():
+  for stack, count in _STACKS.items():
     layers = dict(params[stack])
     stacked = layers.pop('layers')['layer']
     for i in range(getattr(config, count)):
@@ -68,7 +68,7 @@ def unroll_layers(params, config: TransformerConfig):
 def scan_layers(params, config: TransformerConfig):
   """The inverse of unroll_layers: per-layer parameters stacked for scan."""
   params = dict(params)
-  for stack, count in STACKS.items():
+  for stack, count in _STACKS.items():
     layers = dict(params[stack])
     per_layer = [layers.pop(f'layer_{i}')
                  for i in range(getattr(config, count))]

@@ -150,22 +150,6 @@ def test_argmax_as_two_reductions_equals_jnp_argmax():
                                 jnp.argmax(scores, axis=-1))
 
 
-@pytest.mark.parametrize('n, k', [(4 * 800, 8), (4 * 801, 8), (997, 8), (7, 3),
-                                  (10, 10), (1, 1)])
-def test_top_k_by_chunk_maxima_equals_lax_top_k(n, k):
-  rng = np.random.default_rng(n)
-  distinct = rng.normal(size=(2, n))
-  tied = rng.integers(-2, 2, size=(2, n)).astype(float)  # ties everywhere
-  scores = np.concatenate([distinct, tied]).astype(np.float32)
-  scores[1, ::2] = -np.inf
-  scores[2, -1] = 9.0  # the best entry in the last chunk, ties before it
-  scores[3] = -np.inf  # a sentence whose beams are all dead
-  ours = jax.jit(decoding._top_k, static_argnums=1)(scores, k)  # pylint: disable=protected-access
-  theirs = jax.lax.top_k(scores, k)
-  np.testing.assert_array_equal(ours[0], theirs[0])
-  np.testing.assert_array_equal(ours[1], theirs[1])  # ties: the lower index
-
-
 def test_greedy_search_stops_each_row_at_eos_and_pads_after():
   eos, pad, bos = 2, 0, 1
   # A fake model whose next token is a fixed script per row.
