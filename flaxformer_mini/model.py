@@ -14,82 +14,6 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.embeddings import PositionalEncoding, TokenEmbedding
 from flaxformer_mini.layers import DecoderLayer, EncoderLayer
 
-_STACKS = {'encoder': 'num_encoder_layers', 'decoder': 'num_decoder_layers'}
-
-
-class _ScanBody(nn.Module):
-  """One layer as nn.scan's body: x and the shared arguments -> (x, None).
-
-  `trailing` holds the layer's Python arguments (deterministic, decode),
-  which nn.scan cannot carry or broadcast as arrays.
-  """
-  config: TransformerConfig
-  layer: type
-  trailing: tuple
-
-  @nn.compact
-  def __call__(self, x, *shared):
-    return self.layer(self.config, name='layer')(x, *shared,
-                                                 *self.trailing), None
-
-
-def _scanned_layers(config: TransformerConfig, layer: type, count: int,
-                    trailing: tuple):
-  """`count` layers as one nn.scan (config.scan_layers).
-
-  Unrolled, every layer is its own module with its own XLA code, so compile
-  time grows with depth. The scan runs one compiled layer `count` times over
-  parameters stacked along a leading [count] axis (under .../layers/layer)
-  and gives each layer its own dropout key. -> a module of (x, *shared)
-  returning (x, None).
-  """
-  return nn.scan(_ScanBody, variable_axes={'params': 0, 'intermediates': 0},
-                 split_rngs={'params': True, 'dropout': True},
-                 in_axes=nn.broadcast, length=count)(
-                     config, layer, trailing, name='layers')
-
-
-def unroll_layers(params, config: TransformerConfig):
-  """Parameters of a scan_layers model as those of the unrolled model.
-
-  encoder/layers/layer/... [num_layers, ...] -> encoder/layer_i/... (and the
-  same for the decoder); everything else is unchanged.
-  """
-  params = dict(params)
-  for stack, count in _STACKS.items():
-    layers = dict(params[stack])
-    stacked = layers.pop('layers')['layer']
-    for i in range(getattr(config, count)):
-      layers[f'layer_{i}'] = jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
-    params[stack] = layers
-  return params
-
-
-def scan_layers(params, config: TransformerConfig):
-  """The inverse of unroll_layers: per-layer parameters stacked for scan."""
-  params = dict(params)
-  for stack, count in _STACKS.items():
-    layers = dict(params[stack])
-    per_layer = [layers.pop(f'layer_{i}')
-                 for i in range(getattr(config, count))]
-    layers['layers'] = {
-        'layer': jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)}
-    params[stack] = layers
-  return params
-
-
-def unrolled(params, config: TransformerConfig) -> tuple[Any, TransformerConfig]:
-  """(params, config) of the same model with its layers unrolled.
-
-  Decoding (one small step at a time: nothing for a loop to save) and the
-  tensor tour (which names each layer's tensors) run the unrolled model.
-  params may be None, for the config alone.
-  """
-  if not config.scan_layers:
-    return params, config
-  return (None if params is None else unroll_layers(params, config),
-          config.replace(scan_layers=False))
-
 
 class Encoder(nn.Module):
   """Embedding + positions, then N encoder layers (the left half of Figure 1)."""
@@ -221,3 +145,83 @@ class Transformer(nn.Module):
     """
     encoded = self.encode(src, src_mask, deterministic)
     return self.decode(encoded, src_mask, tgt_in, tgt_mask, deterministic)
+
+
+# Layers as one scan (config.scan_layers): an option for deep models, whose
+# compile time grows with depth when every layer is unrolled.
+
+_STACKS = {'encoder': 'num_encoder_layers', 'decoder': 'num_decoder_layers'}
+
+
+class _ScanBody(nn.Module):
+  """One layer as nn.scan's body: x and the shared arguments -> (x, None).
+
+  `trailing` holds the layer's Python arguments (deterministic, decode),
+  which nn.scan cannot carry or broadcast as arrays.
+  """
+  config: TransformerConfig
+  layer: type
+  trailing: tuple
+
+  @nn.compact
+  def __call__(self, x, *shared):
+    return self.layer(self.config, name='layer')(x, *shared,
+                                                 *self.trailing), None
+
+
+def _scanned_layers(config: TransformerConfig, layer: type, count: int,
+                    trailing: tuple):
+  """`count` layers as one nn.scan (config.scan_layers).
+
+  Unrolled, every layer is its own module with its own XLA code, so compile
+  time grows with depth. The scan runs one compiled layer `count` times over
+  parameters stacked along a leading [count] axis (under .../layers/layer)
+  and gives each layer its own dropout key. -> a module of (x, *shared)
+  returning (x, None).
+  """
+  return nn.scan(_ScanBody, variable_axes={'params': 0, 'intermediates': 0},
+                 split_rngs={'params': True, 'dropout': True},
+                 in_axes=nn.broadcast, length=count)(
+                     config, layer, trailing, name='layers')
+
+
+def unroll_layers(params, config: TransformerConfig):
+  """Parameters of a scan_layers model as those of the unrolled model.
+
+  encoder/layers/layer/... [num_layers, ...] -> encoder/layer_i/... (and the
+  same for the decoder); everything else is unchanged.
+  """
+  params = dict(params)
+  for stack, count in _STACKS.items():
+    layers = dict(params[stack])
+    stacked = layers.pop('layers')['layer']
+    for i in range(getattr(config, count)):
+      layers[f'layer_{i}'] = jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
+    params[stack] = layers
+  return params
+
+
+def scan_layers(params, config: TransformerConfig):
+  """The inverse of unroll_layers: per-layer parameters stacked for scan."""
+  params = dict(params)
+  for stack, count in _STACKS.items():
+    layers = dict(params[stack])
+    per_layer = [layers.pop(f'layer_{i}')
+                 for i in range(getattr(config, count))]
+    layers['layers'] = {
+        'layer': jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)}
+    params[stack] = layers
+  return params
+
+
+def unrolled(params, config: TransformerConfig) -> tuple[Any, TransformerConfig]:
+  """(params, config) of the same model with its layers unrolled.
+
+  Decoding (one small step at a time: nothing for a loop to save) and the
+  tensor tour (which names each layer's tensors) run the unrolled model.
+  params may be None, for the config alone.
+  """
+  if not config.scan_layers:
+    return params, config
+  return (None if params is None else unroll_layers(params, config),
+          config.replace(scan_layers=False))

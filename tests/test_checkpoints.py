@@ -20,7 +20,7 @@ from flaxformer_mini import experiment
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.parallel import DataParallel
-from flaxformer_mini.training import create_train_state, init_params
+from flaxformer_mini.training import create_train_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

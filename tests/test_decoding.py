@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from flaxformer_mini import decoding
-from flaxformer_mini.masks import make_batch, padding_mask, target_mask
+from flaxformer_mini.masks import padding_mask, target_mask
 from flaxformer_mini.model import Transformer, unroll_layers
 from flaxformer_mini.training import init_params
 

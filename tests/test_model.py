@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_mini.masks import make_batch
 from flaxformer_mini import tour
+from flaxformer_mini.masks import make_batch
 from flaxformer_mini.model import Transformer, scan_layers, unroll_layers
 from flaxformer_mini.training import init_params
 

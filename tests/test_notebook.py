@@ -3,7 +3,6 @@
 import os
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 from conftest import MULTI30K, ROOT

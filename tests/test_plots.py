@@ -1,7 +1,6 @@
 """The run's logbook (JSON lines + TensorBoard) and its pictures."""
 
 import glob
-import json
 import struct
 
 import numpy as np

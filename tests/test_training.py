@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import ad_checkpoint
 
-from flaxformer_mini import experiment, losses
+from flaxformer_mini import losses
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.model import Transformer, unroll_layers
 from flaxformer_mini.schedules import make_optimizer

@@ -5,7 +5,6 @@ small slice of it written to a temporary directory; they skip where it is
 absent.
 """
 
-import gzip
 import json
 import os
 import subprocess
