@@ -8,7 +8,8 @@ it. Each time is the best of --repeats runs: the work is deterministic, so
 the fastest run is the one least disturbed by the rest of a shared machine.
 Differences within about 10 % are not measurable that way. Levers the
 project keeps are marked `kept`; the two-stage top-k and the fused QKV
-projection are measured and not kept (they lose on CPU).
+projection are measured and not kept (they lose on CPU); scan_layers is an
+option, off by default (`kept` says 'option').
 
 - cross_attention_memory: decoding projects the encoder output through W^K,
   W^V once (decoding.project_memory) instead of at every step. Greedy search,
