@@ -245,17 +245,12 @@ def scan_layers(repeats) -> dict:
   for name, scan in (('with', True), ('without', False)):
     c = config.replace(scan_layers=scan)
     state = create_train_state(c, jax.random.key(0))
-    start = time.perf_counter()
-    compiled = jax.jit(functools.partial(train_step, config=c),
-                       donate_argnums=0).lower(state, host, rng).compile()
-    compile_s[name] = time.perf_counter() - start
-    holder = {'state': state}
-
-    def run(compiled=compiled, holder=holder):
-      holder['state'], metrics = compiled(holder['state'], host, rng)
-      jax.block_until_ready((holder['state'], metrics))
-
-    steps[name] = run
+    compiled, compile_s[name] = train_bench.compile_timed(
+        jax.jit(functools.partial(train_step, config=c), donate_argnums=0),
+        state, host, rng)
+    advance = train_bench.blocking_run(compiled, state, [host], rng,
+                                       compile_s[name])['advance']
+    steps[name] = functools.partial(advance, 0)
   step = compare(steps['with'], steps['without'], repeats)
   return {
       'scan_layers_compile': {

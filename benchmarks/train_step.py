@@ -81,13 +81,14 @@ def synthetic_batches(config, batch: int, length: int, pad: str,
   return batches
 
 
-def _compiled(step, state, batch, rng):
+def compile_timed(step, state, batch, rng):
+  """A jitted step compiled ahead of time -> (compiled, seconds it took)."""
   start = time.perf_counter()
   compiled = step.lower(state, batch, rng).compile()
   return compiled, time.perf_counter() - start
 
 
-def _jax_run(step, state, batches, rng, compile_s: float) -> dict:
+def blocking_run(step, state, batches, rng, compile_s: float) -> dict:
   """A run whose advance(i) makes step i and waits for it to finish."""
   holder = {'state': state}
 
@@ -104,9 +105,10 @@ def _baselines(config, host_batches, init_rng, dropout_rng) -> dict:
   models, _ = flax_wmt.load()
   state = flax_wmt.create_state(models, config, init_rng)
   batches = [jax.device_put(b) for b in host_batches]
-  step, compile_s = _compiled(flax_wmt.jitted_train_step(config), state,
-                              batches[0], dropout_rng)
-  runs = {'flax_wmt': _jax_run(step, state, batches, dropout_rng, compile_s)}
+  step, compile_s = compile_timed(flax_wmt.jitted_train_step(config), state,
+                                  batches[0], dropout_rng)
+  runs = {'flax_wmt': blocking_run(step, state, batches, dropout_rng,
+                                   compile_s)}
   why_not = annotated_transformer.unavailable()
   if why_not:
     runs['annotated_transformer'] = {'not_run': why_not}
@@ -129,9 +131,9 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
   host_batches = synthetic_batches(config, batch, length, pad)
   state = parallel.put_state(create_train_state(config, init_rng))
   batches = [parallel.put_batch(b) for b in host_batches]
-  step, compile_s = _compiled(parallel.train_step, state, batches[0],
-                              dropout_rng)
-  runs = {'ours': _jax_run(step, state, batches, dropout_rng, compile_s)}
+  step, compile_s = compile_timed(parallel.train_step, state, batches[0],
+                                  dropout_rng)
+  runs = {'ours': blocking_run(step, state, batches, dropout_rng, compile_s)}
   if baseline:
     runs.update(_baselines(config, host_batches, init_rng, dropout_rng))
   timed = {name: run for name, run in runs.items() if 'advance' in run}

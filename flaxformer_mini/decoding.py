@@ -356,15 +356,25 @@ def greedy_decode(params, src, config: TransformerConfig, max_len: int):
   Returns:
     int32[batch, max_len] output ids: the tokens, eos, then pad.
   """
+  tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len)
+  return greedy_search(tokens_to_logits, cache, src.shape[0], max_len,
+                       config.bos_id, config.eos_id, config.pad_id)
+
+
+def _encoded_for_search(params, src, config: TransformerConfig, max_len: int):
+  """What a search needs from Transformer(config) for the sources src.
+
+  src: int32[batch, src_len]. Runs the encoder once (a scan_layers model
+  with its layers unrolled) -> (tokens_to_logits for its decoder, the empty
+  cache for max_len steps).
+  """
   check_max_len(config, max_len)
   params, config = unrolled(params, config)
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
-  return greedy_search(
-      transformer_tokens_to_logits(params, config, encoded, src_mask),
-      init_cache(config, encoded, src_mask, max_len), src.shape[0], max_len,
-      config.bos_id, config.eos_id, config.pad_id)
+  return (transformer_tokens_to_logits(params, config, encoded, src_mask),
+          init_cache(config, encoded, src_mask, max_len))
 
 
 def default_max_len(config: TransformerConfig, src_len: int) -> int:
@@ -396,15 +406,8 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
     lengths and reached_eos [batch, n_best].
   """
   max_len = default_max_len(config, src.shape[1]) if max_len is None else max_len
-  check_max_len(config, max_len)
-  params, config = unrolled(params, config)
-  src_mask = padding_mask(src, config.pad_id)
-  encoded = Transformer(config).apply({'params': params}, src, src_mask,
-                                      method=Transformer.encode)
-  tokens_to_logits = transformer_tokens_to_logits(params, config, encoded,
-                                                  src_mask)
+  tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len)
   return beam_search(
-      tokens_to_logits, init_cache(config, encoded, src_mask, max_len),
-      batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
+      tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
       alpha=alpha, bos_id=config.bos_id, eos_id=config.eos_id,
       pad_id=config.pad_id, n_best=n_best, on_step=on_step)
