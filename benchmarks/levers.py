@@ -205,17 +205,12 @@ def donated_state(config, repeats):
   host = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
   rng = jax.random.key(1)
   step = functools.partial(train_step, config=config)
-  donating = jax.jit(step, donate_argnums=0)
-  copying = jax.jit(step)
-  states = {'with': create_train_state(config, jax.random.key(0)),
-            'without': create_train_state(config, jax.random.key(0))}
-
-  def run(name, fn):
-    states[name], metrics = fn(states[name], host, rng)
-    jax.block_until_ready((states[name], metrics))
-
-  return compare(lambda: run('with', donating),
-                 lambda: run('without', copying), repeats)
+  donating, copying = (
+      train_bench.blocking_run(jitted, create_train_state(
+          config, jax.random.key(0)), [host], rng, compile_s=None)['advance']
+      for jitted in (jax.jit(step, donate_argnums=0), jax.jit(step)))
+  return compare(functools.partial(donating, 0),
+                 functools.partial(copying, 0), repeats)
 
 
 def fused_qkv(config, repeats):

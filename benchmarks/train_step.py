@@ -88,7 +88,7 @@ def compile_timed(step, state, batch, rng):
   return compiled, time.perf_counter() - start
 
 
-def blocking_run(step, state, batches, rng, compile_s: float) -> dict:
+def blocking_run(step, state, batches, rng, compile_s: float | None) -> dict:
   """A run whose advance(i) makes step i and waits for it to finish."""
   holder = {'state': state}
 
