@@ -18,6 +18,10 @@ option, off by default (`kept` says 'option').
   impossible) with the encoder's cross-attention keys and values kept once
   per sentence and shared by its beams (attention_shared_by_groups), against
   the encoder output copied to every beam before they are projected.
+- table_major_logits: greedy decoding of the `base` model (batch 32, 32
+  tokens, whatever --config) with the tied output projection of its 32 rows
+  computed as table @ x^T (embeddings.tied_logits), against x @ table.T
+  (embeddings.FEW_ROWS set to 0 while that search is traced).
 - two_stage_top_k: beam search's top 2k of beam x vocab as a top-k per beam
   then over beams, against one top-k over beam x vocab. [32, 4, vocab].
 - two_reduction_argmax: greedy search's next token as a max and then a min
@@ -124,6 +128,32 @@ def beams_share_memory(config, repeats):
   on, off = (jax.jit(functools.partial(
       decode_bench.decode_without_eos, config=config, beam_size=4, gen_len=32,
       beams_share_memory=flag)) for flag in (True, False))
+  np.testing.assert_array_equal(on(params, src), off(params, src))
+  return compare(lambda: on(params, src).block_until_ready(),
+                 lambda: off(params, src).block_until_ready(), repeats)
+
+
+def table_major_logits(repeats):
+  config = get_config('base').replace(dropout_rate=0.0)
+  params = init_params(config, jax.random.key(0))
+  src = jnp.asarray(np.random.default_rng(0).integers(
+      3, config.src_vocab_size, (32, 32)), jnp.int32)
+
+  def compiled_search(table_major: bool):
+    jax.clear_caches()  # tied_logits' trace is cached apart from FEW_ROWS
+    lowered = jax.jit(functools.partial(
+        decode_bench.decode_without_eos, config=config, beam_size=1,
+        gen_len=32)).lower(params, src)
+    assert ('optimization_barrier' in lowered.as_text()) == table_major
+    return lowered.compile()
+
+  on = compiled_search(table_major=True)
+  few_rows, embeddings.FEW_ROWS = embeddings.FEW_ROWS, 0
+  try:
+    off = compiled_search(table_major=False)
+  finally:
+    embeddings.FEW_ROWS = few_rows
+    jax.clear_caches()
   np.testing.assert_array_equal(on(params, src), off(params, src))
   return compare(lambda: on(params, src).block_until_ready(),
                  lambda: off(params, src).block_until_ready(), repeats)
@@ -334,6 +364,8 @@ def main():
   }
   results = {name: {**measure(config, args.repeats), 'kept': kept}
              for name, (measure, kept) in levers.items()}
+  results['table_major_logits'] = {
+      **table_major_logits(max(3, args.repeats // 3)), 'kept': True}
   results['compilation_cache'] = {**compilation_cache(args.repeats),
                                   'kept': True}
   for name, result in scan_layers(max(3, args.repeats // 3)).items():

@@ -5,6 +5,8 @@ matrix can serve the source, the target and the pre-softmax linear layer.
 Section 3.5: sinusoidal positional encodings are added to the embeddings.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -37,18 +39,35 @@ class TokenEmbedding(nn.Module):
     return tied_logits(x.astype(dtype), self.embed.embedding.astype(dtype))
 
 
+# Up to this many rows (tokens) the product is computed as table @ x^T.
+FEW_ROWS = 64
+
+
 @jax.custom_vjp
 def tied_logits(x, table):
   """x: [batch, len, d_model] times table: [vocab, d_model] transposed.
 
-  -> logits [batch, len, vocab]. The product is x @ table.T; only its gradient
-  is written out, to choose which operand gets transposed: autodiff computes
-  d_table = d_logits^T . x, for which XLA's CPU backend first copies the whole
-  [tokens, vocab] gradient into [vocab, tokens] (a tenth of a `small`
-  training step); (x^T . d_logits)^T transposes [tokens, d_model] and the
-  [d_model, vocab] result instead (benchmarks/levers.py: tied_logits_vjp).
+  -> logits [batch, len, vocab]. The product is x @ table.T; how it is
+  computed is chosen for XLA's CPU backend, the values are the same:
+  - For a decoding step's few rows (<= FEW_ROWS tokens), the product runs as
+    table @ x^T, [vocab, tokens], then is transposed: at a few rows XLA's CPU
+    matmul is fast with the large matrix on the left and slow with it on the
+    right, where x @ table.T took a third of a `base` greedy step
+    (benchmarks/levers.py: table_major_logits). The optimization barrier
+    keeps XLA from folding the transpose back into the product.
+  - The gradient is written out, to choose which operand gets transposed:
+    autodiff computes d_table = d_logits^T . x, for which XLA's CPU backend
+    first copies the whole [tokens, vocab] gradient into [vocab, tokens] (a
+    tenth of a `small` training step); (x^T . d_logits)^T transposes
+    [tokens, d_model] and the [d_model, vocab] result instead
+    (benchmarks/levers.py: tied_logits_vjp).
   """
-  return jnp.einsum('...d,vd->...v', x, table)
+  if math.prod(x.shape[:-1]) > FEW_ROWS:
+    return jnp.einsum('...d,vd->...v', x, table)
+  tokens = x.reshape(-1, x.shape[-1])  # [tokens, d_model]
+  logits_t = jax.lax.optimization_barrier(
+      jnp.einsum('vd,nd->vn', table, tokens))  # [vocab, tokens]
+  return logits_t.T.reshape(x.shape[:-1] + (table.shape[0],))
 
 
 def _tied_logits_forward(x, table):

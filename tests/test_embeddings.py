@@ -1,11 +1,12 @@
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.test_util  # pylint: disable=unused-import
 import numpy as np
 
 from flaxformer_mini.config import get_config
-from flaxformer_mini.embeddings import (TokenEmbedding, sinusoidal_positions,
-                                        tied_logits)
+from flaxformer_mini.embeddings import (FEW_ROWS, TokenEmbedding,
+                                        sinusoidal_positions, tied_logits)
 
 
 def test_sinusoids_interleave_sin_on_even_and_cos_on_odd_dimensions():
@@ -49,6 +50,34 @@ def test_tied_logits_is_x_times_the_table_transposed_gradient_included():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   # And against finite differences, not only against autodiff.
   jax.test_util.check_grads(tied_logits, (x, table), order=1, modes=['rev'])
+
+
+def _products(jaxpr):
+  """Every dot_general in a jaxpr, nested ones included, with what consumes it."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      consumers = [e.primitive.name for e in jaxpr.eqns
+                   if eqn.outvars[0] in e.invars]
+      found.append(([v.aval.shape for v in eqn.invars], consumers))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _products(sub)
+  return found
+
+
+def test_tied_logits_of_a_few_rows_read_the_table_as_left_operand():
+  # A decoding step's rows: table @ x^T behind a barrier, so that XLA cannot
+  # turn it back into x @ table.T (slower on the CPU); a training batch's
+  # many rows: x @ table.T. The same logits either way.
+  table = jax.random.normal(jax.random.key(1), (11, 8))
+  for rows, table_first in ((FEW_ROWS, True), (FEW_ROWS + 1, False)):
+    x = jax.random.normal(jax.random.key(0), (1, rows, 8))
+    np.testing.assert_allclose(tied_logits(x, table), x @ table.T, rtol=1e-5,
+                               atol=1e-6)
+    (operands, consumers), = _products(
+        jax.make_jaxpr(tied_logits)(x, table).jaxpr)
+    assert (operands[0] == table.shape) == table_first, operands
+    assert ('optimization_barrier' in consumers) == table_first, consumers
 
 
 def test_the_model_logits_use_the_tied_table():
