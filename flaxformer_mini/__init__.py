@@ -5,6 +5,7 @@ Figure 1, box by box:
   attention.py    scaled dot-product attention, multi-head attention (+ cache)
   layers.py       feed-forward, Add & Norm, encoder layer, decoder layer
   model.py        Encoder, Decoder, Transformer (encode / decode)
+  linear.py       the learned linear maps (nn.Dense) inside the boxes
 and around it: config, masks (the Batch), losses, schedules, training,
 decoding, data/, experiment (the training loop).
 """

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.linear import dense
 
 
 def scaled_dot_product_attention(
@@ -144,8 +145,7 @@ class MultiHeadAttention(nn.Module):
     # bias would add q.b to every score of a row, which softmax ignores: its
     # gradient is exactly zero, and Adam would only turn rounding noise in
     # it into updates. So the keys have none.
-    projection = lambda name, bias=True: nn.Dense(
-        cfg.d_model, use_bias=bias, dtype=cfg.dtype, name=name)
+    projection = lambda name, bias=True: dense(cfg.d_model, cfg, name, bias)
     query = split_heads(projection('wq')(inputs_q), cfg.num_heads)
     if decode and self.from_memory and self.has_variable('memory', 'key'):
       key = self.get_variable('memory', 'key')
@@ -176,7 +176,7 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'heads', heads)
     concatenated = merge_heads(heads)
     self.sow('intermediates', 'concatenated', concatenated)
-    output = nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo')(concatenated)
+    output = dense(cfg.d_model, cfg, 'wo')(concatenated)
     self.sow('intermediates', 'output', output)
     return output
 

@@ -12,6 +12,7 @@ import flax.linen as nn
 
 from flaxformer_mini.attention import MultiHeadAttention
 from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.linear import dense
 
 
 class FeedForward(nn.Module):
@@ -24,8 +25,8 @@ class FeedForward(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    hidden = nn.relu(nn.Dense(cfg.d_ff, dtype=cfg.dtype, name='wi')(x))
-    return nn.Dense(cfg.d_model, dtype=cfg.dtype, name='wo')(hidden)
+    hidden = nn.relu(dense(cfg.d_ff, cfg, 'wi')(x))
+    return dense(cfg.d_model, cfg, 'wo')(hidden)
 
 
 class AddAndNorm(nn.Module):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.embeddings import PositionalEncoding, TokenEmbedding
 from flaxformer_mini.layers import DecoderLayer, EncoderLayer
+from flaxformer_mini.linear import dense
 
 
 class Encoder(nn.Module):
@@ -105,7 +106,7 @@ class Transformer(nn.Module):
     self.encoder = Encoder(cfg, source_embedding)
     self.decoder = Decoder(cfg, target_embedding)
     if not cfg.tie_output_embedding:
-      self.output_projection = nn.Dense(cfg.tgt_vocab_size, dtype=cfg.dtype)
+      self.output_projection = dense(cfg.tgt_vocab_size, cfg)
 
   def encode(self, src, src_mask, deterministic: bool = True):
     """src: int32[batch, src_len] -> float32[batch, src_len, d_model]."""
