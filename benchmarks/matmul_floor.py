@@ -27,13 +27,31 @@ import common
 import train_step as train_bench
 
 
+def _this_platforms_branch(eqn) -> int:
+  """The branch of a lax.platform_dependent cond that this backend runs."""
+  backend = jax.default_backend()
+  names = ('cuda', 'rocm') if backend == 'gpu' else (backend,)
+  platforms = eqn.params['branches_platforms']
+  for index, branch_platforms in enumerate(platforms):
+    if branch_platforms is not None and set(names) & set(branch_platforms):
+      return index
+  return platforms.index(None)
+
+
 def dot_generals(jaxpr) -> collections.Counter:
-  """(lhs shape, rhs shape, dimension numbers) -> count, sub-jaxprs included."""
+  """(lhs shape, rhs shape, dimension numbers) -> count, sub-jaxprs included.
+
+  Of a lax.platform_dependent choice, only the branch of this backend counts.
+  """
   found = collections.Counter()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general':
       lhs, rhs = (v.aval for v in eqn.invars)
       found[(lhs.shape, rhs.shape, eqn.params['dimension_numbers'])] += 1
+    if eqn.params.get('branches_platforms'):
+      found.update(dot_generals(
+          eqn.params['branches'][_this_platforms_branch(eqn)].jaxpr))
+      continue
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else [param]:
         if isinstance(sub, jax_core.ClosedJaxpr):

@@ -39,7 +39,7 @@ class TokenEmbedding(nn.Module):
     return tied_logits(x.astype(dtype), self.embed.embedding.astype(dtype))
 
 
-# Up to this many rows (tokens) the product is computed as table @ x^T.
+# Up to this many rows (tokens) the CPU computes the product as table @ x^T.
 FEW_ROWS = 64
 
 
@@ -49,12 +49,13 @@ def tied_logits(x, table):
 
   -> logits [batch, len, vocab]. The product is x @ table.T; how it is
   computed is chosen for XLA's CPU backend, the values are the same:
-  - For a decoding step's few rows (<= FEW_ROWS tokens), the product runs as
-    table @ x^T, [vocab, tokens], then is transposed: at a few rows XLA's CPU
-    matmul is fast with the large matrix on the left and slow with it on the
-    right, where x @ table.T took a third of a `base` greedy step
-    (benchmarks/levers.py: table_major_logits). The optimization barrier
-    keeps XLA from folding the transpose back into the product.
+  - For a decoding step's few rows (<= FEW_ROWS tokens), on the CPU, the
+    product runs as table @ x^T, [vocab, tokens], then is transposed: at a
+    few rows XLA's CPU matmul is fast with the large matrix on the left and
+    slow with it on the right, where x @ table.T took a third of a `base`
+    greedy step (benchmarks/levers.py: table_major_logits). The optimization
+    barrier keeps XLA from folding the transpose back into the product.
+    Other platforms, not measured, keep x @ table.T.
   - The gradient is written out, to choose which operand gets transposed:
     autodiff computes d_table = d_logits^T . x, for which XLA's CPU backend
     first copies the whole [tokens, vocab] gradient into [vocab, tokens] (a
@@ -63,7 +64,16 @@ def tied_logits(x, table):
     (benchmarks/levers.py: tied_logits_vjp).
   """
   if math.prod(x.shape[:-1]) > FEW_ROWS:
-    return jnp.einsum('...d,vd->...v', x, table)
+    return _x_times_table_transposed(x, table)
+  return jax.lax.platform_dependent(x, table, cpu=_table_major_product,
+                                    default=_x_times_table_transposed)
+
+
+def _x_times_table_transposed(x, table):
+  return jnp.einsum('...d,vd->...v', x, table)
+
+
+def _table_major_product(x, table):
   tokens = x.reshape(-1, x.shape[-1])  # [tokens, d_model]
   logits_t = jax.lax.optimization_barrier(
       jnp.einsum('vd,nd->vn', table, tokens))  # [vocab, tokens]

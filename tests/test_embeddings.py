@@ -1,5 +1,6 @@
+import re
+
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import jax.test_util  # pylint: disable=unused-import
 import numpy as np
@@ -52,32 +53,28 @@ def test_tied_logits_is_x_times_the_table_transposed_gradient_included():
   jax.test_util.check_grads(tied_logits, (x, table), order=1, modes=['rev'])
 
 
-def _products(jaxpr):
-  """Every dot_general in a jaxpr, nested ones included, with what consumes it."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
-      consumers = [e.primitive.name for e in jaxpr.eqns
-                   if eqn.outvars[0] in e.invars]
-      found.append(([v.aval.shape for v in eqn.invars], consumers))
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      found += _products(sub)
-  return found
+def _lowered(fn, *args, platform: str) -> str:
+  """fn's StableHLO as lowered for `platform` (no such device needed)."""
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
-def test_tied_logits_of_a_few_rows_read_the_table_as_left_operand():
-  # A decoding step's rows: table @ x^T behind a barrier, so that XLA cannot
-  # turn it back into x @ table.T (slower on the CPU); a training batch's
-  # many rows: x @ table.T. The same logits either way.
+def test_tied_logits_of_a_few_rows_read_the_table_as_left_operand_on_cpu():
+  # A decoding step's rows, on the CPU: table @ x^T behind a barrier, so that
+  # XLA cannot turn it back into x @ table.T (slower there); a training
+  # batch's many rows, or another platform: x @ table.T. The same logits.
   table = jax.random.normal(jax.random.key(1), (11, 8))
-  for rows, table_first in ((FEW_ROWS, True), (FEW_ROWS + 1, False)):
+  for rows, platform, table_first in ((FEW_ROWS, 'cpu', True),
+                                      (FEW_ROWS + 1, 'cpu', False),
+                                      (FEW_ROWS, 'cuda', False)):
     x = jax.random.normal(jax.random.key(0), (1, rows, 8))
     np.testing.assert_allclose(tied_logits(x, table), x @ table.T, rtol=1e-5,
                                atol=1e-6)
-    (operands, consumers), = _products(
-        jax.make_jaxpr(tied_logits)(x, table).jaxpr)
-    assert (operands[0] == table.shape) == table_first, operands
-    assert ('optimization_barrier' in consumers) == table_first, consumers
+    text = _lowered(tied_logits, x, table, platform=platform)
+    left_operands = re.findall(r'stablehlo\.dot_general .*: \((tensor<[^>]*>)',
+                               text)
+    assert left_operands == (['tensor<11x8xf32>'] if table_first else
+                             [f'tensor<1x{rows}x8xf32>']), left_operands
+    assert ('optimization_barrier' in text) == table_first
 
 
 def test_the_model_logits_use_the_tied_table():
