@@ -3,7 +3,7 @@
 Each is a flax nn.Dense (parameters `kernel` [d_in, d_out] and `bias`
 [d_out]) whose product has its weight gradient written out. Autodiff computes
 dL/dW = x^T . dL/dy as one product contracted over the tokens, the major axis
-of both operands; XLA's CPU backend runs that form 1.2-1.4x slower than the
+of both operands; XLA's CPU backend runs that form up to 1.4x slower than the
 same product with x^T first copied into [d_in, tokens] (a copy of the
 activations, a small fraction of the product's work). Written out, the whole
 training step runs about 1.1x faster on the CPU (benchmarks/levers.py:
