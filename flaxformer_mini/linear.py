@@ -27,11 +27,18 @@ def dense(features: int, config: TransformerConfig, name: str | None = None,
                   dot_general=dot_general, name=name)
 
 
-def dot_general(x, kernel, dimension_numbers, precision=None):
-  """nn.Dense's product: x: [..., d_in] . kernel: [d_in, d_out] -> [..., d_out]."""
+def dot_general(x, kernel, dimension_numbers, precision=None,
+                preferred_element_type=None):
+  """nn.Dense's product: x: [..., d_in] . kernel: [d_in, d_out] -> [..., d_out].
+
+  The product runs in the operands' dtype (nn.Dense casts both to its dtype).
+  """
   if dimension_numbers != (((x.ndim - 1,), (0,)), ((), ())):
     raise ValueError(f'dot_general {dimension_numbers}: only the product over '
                      "x's last axis and the kernel's first (nn.Dense's).")
+  if preferred_element_type is not None:
+    raise ValueError(f'preferred_element_type={preferred_element_type}: the '
+                     "product's dtype is the operands' (set config.dtype).")
   rows = x.reshape(-1, x.shape[-1])  # [tokens, d_in]
   return _matmul(rows, kernel, precision).reshape(
       x.shape[:-1] + (kernel.shape[-1],))

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import jax.test_util  # pylint: disable=unused-import
 import numpy as np
+import pytest
 
 from flaxformer_mini import linear
 from flaxformer_mini.config import get_config
@@ -80,10 +81,11 @@ def test_every_learned_linear_map_of_the_model_is_a_linear_dense():
 
 
 def test_dense_refuses_a_product_it_does_not_compute():
-  try:
-    linear.dot_general(jnp.ones((3, 5)), jnp.ones((3, 7)),
-                       (((0,), (0,)), ((), ())))
-  except ValueError as error:
-    assert 'nn.Dense' in str(error)
-  else:
-    raise AssertionError('expected a ValueError')
+  dense_product = (((1,), (0,)), ((), ()))
+  for x, kernel, dims, kwargs, named in (
+      (jnp.ones((3, 5)), jnp.ones((3, 7)), (((0,), (0,)), ((), ())), {},
+       'nn.Dense'),
+      (jnp.ones((3, 5)), jnp.ones((5, 7)), dense_product,
+       {'preferred_element_type': jnp.float16}, 'config.dtype')):
+    with pytest.raises(ValueError, match=re.escape(named)):
+      linear.dot_general(x, kernel, dims, **kwargs)
