@@ -64,6 +64,14 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
       max_len=gen_len, alpha=0.6, **ids).sequences[:, 0]
 
 
+def random_model_and_sources(config, batch: int = 32, src_len: int = 32):
+  """Random weights and source ids -> (params, int32[batch, src_len])."""
+  params = init_params(config, jax.random.key(0))
+  src = jnp.asarray(np.random.default_rng(0).integers(
+      3, config.src_vocab_size, (batch, src_len)), jnp.int32)
+  return params, src
+
+
 def _timed(fn, params, src, gen_len: int, repeats: int, eos_id: int):
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(params, src).compile()
@@ -137,9 +145,7 @@ def main():
                       help="skip the baselines' decoding")
   args = parser.parse_args()
   config = get_config(args.config).replace(dropout_rate=0.0, dtype=args.dtype)
-  params = init_params(config, jax.random.key(0))
-  src = jnp.asarray(np.random.default_rng(0).integers(
-      3, config.src_vocab_size, (args.batch, args.src_len)), jnp.int32)
+  params, src = random_model_and_sources(config, args.batch, args.src_len)
   baseline_params = None
   if not args.no_baseline:
     models, _ = flax_wmt.load()

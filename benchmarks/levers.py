@@ -73,7 +73,7 @@ from flaxformer_mini import decoding, embeddings, linear, losses
 from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
-from flaxformer_mini.training import create_train_state, init_params, train_step
+from flaxformer_mini.training import create_train_state, train_step
 
 import common
 import decode as decode_bench
@@ -97,9 +97,7 @@ def compare(with_lever, without_lever, repeats: int) -> dict:
 
 
 def cross_attention_memory(config, repeats):
-  params = init_params(config, jax.random.key(0))
-  src = jnp.asarray(np.random.default_rng(0).integers(
-      3, config.src_vocab_size, (32, 32)), jnp.int32)
+  params, src = decode_bench.random_model_and_sources(config)
   model = Transformer(config)
 
   def greedy(params, src, use_memory):
@@ -128,9 +126,7 @@ def cross_attention_memory(config, repeats):
 
 
 def beams_share_memory(config, repeats):
-  params = init_params(config, jax.random.key(0))
-  src = jnp.asarray(np.random.default_rng(0).integers(
-      3, config.src_vocab_size, (32, 32)), jnp.int32)
+  params, src = decode_bench.random_model_and_sources(config)
   on, off = (jax.jit(functools.partial(
       decode_bench.decode_without_eos, config=config, beam_size=4, gen_len=32,
       beams_share_memory=flag)) for flag in (True, False))
@@ -141,9 +137,7 @@ def beams_share_memory(config, repeats):
 
 def table_major_logits(repeats):
   config = get_config('base').replace(dropout_rate=0.0)
-  params = init_params(config, jax.random.key(0))
-  src = jnp.asarray(np.random.default_rng(0).integers(
-      3, config.src_vocab_size, (32, 32)), jnp.int32)
+  params, src = decode_bench.random_model_and_sources(config)
 
   def compiled_search(table_major: bool):
     jax.clear_caches()  # tied_logits' trace is cached apart from FEW_ROWS
@@ -235,35 +229,54 @@ def tied_logits_vjp(config, repeats):
                  lambda: jax.block_until_ready(off(x, table)), repeats)
 
 
-def dense_weight_gradient(config_name: str, repeats: int) -> dict:
+def _one_batch(config_name: str, config):
+  """train_step.py's batch of config_name -> (config at that batch, batch)."""
   batch, length = train_bench.SHAPES[config_name]
-  config = get_config(config_name).replace(batch_size=batch, dropout_rate=0.1)
-  host = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
+  config = config.replace(batch_size=batch)
+  return config, train_bench.synthetic_batches(config, batch, length, 'full',
+                                               1)[0]
+
+
+def _blocking_train_step(config, batch, rng, lowered_check=None):
+  """The donated training step, compiled for `batch`.
+
+  lowered_check, if given, is called with the lowered program's text.
+  -> (a call that makes one step and waits for it, compile seconds).
+  """
+  state = create_train_state(config, jax.random.key(0))
+  step = jax.jit(functools.partial(train_step, config=config),
+                 donate_argnums=0)
+  if lowered_check is not None:
+    lowered_check(step.lower(state, batch, rng).as_text())
+  compiled, compile_s = train_bench.compile_timed(step, state, batch, rng)
+  advance = train_bench.blocking_run(compiled, state, [batch], rng,
+                                     compile_s)['advance']
+  return functools.partial(advance, 0), compile_s
+
+
+def dense_weight_gradient(config_name: str, repeats: int) -> dict:
+  config, host = _one_batch(config_name,
+                            get_config(config_name).replace(dropout_rate=0.1))
   rng = jax.random.key(1)
 
   def blocking_step(autodiff: bool):
     jax.clear_caches()  # the model's trace is cached apart from the patch
+
+    def patch_reached_the_step(text):
+      assert ('optimization_barrier' in text) != autodiff
+
     with mock.patch.object(linear, 'dot_general',
                            jax.lax.dot_general if autodiff else
                            linear.dot_general):
-      state = create_train_state(config, jax.random.key(0))
-      step = jax.jit(functools.partial(train_step, config=config),
-                     donate_argnums=0)
-      barriers = 'optimization_barrier' in step.lower(state, host,
-                                                      rng).as_text()
-      assert barriers != autodiff  # the patch reached the traced step
-      compiled, compile_s = train_bench.compile_timed(step, state, host, rng)
-    return functools.partial(train_bench.blocking_run(
-        compiled, state, [host], rng, compile_s)['advance'], 0)
+      return _blocking_train_step(config, host, rng,
+                                  patch_reached_the_step)[0]
 
   return compare(blocking_step(autodiff=False), blocking_step(autodiff=True),
                  repeats)
 
 
 def donated_state(config, repeats):
-  batch, length = train_bench.SHAPES['small']
-  config = config.replace(batch_size=batch)
-  host = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
+  config, host = _one_batch('small', config)
   rng = jax.random.key(1)
   step = functools.partial(train_step, config=config)
   donating, copying = (
@@ -293,20 +306,12 @@ def fused_qkv(config, repeats):
 
 def scan_layers(repeats) -> dict:
   """The base training step (16 x 64) compiled and run with scan_layers."""
-  batch, length = train_bench.SHAPES['base']
-  config = get_config('base').replace(batch_size=batch)
-  host = train_bench.synthetic_batches(config, batch, length, 'full', 1)[0]
+  config, host = _one_batch('base', get_config('base'))
   rng = jax.random.key(1)
   compile_s, steps = {}, {}
   for name, scan in (('with', True), ('without', False)):
-    c = config.replace(scan_layers=scan)
-    state = create_train_state(c, jax.random.key(0))
-    compiled, compile_s[name] = train_bench.compile_timed(
-        jax.jit(functools.partial(train_step, config=c), donate_argnums=0),
-        state, host, rng)
-    advance = train_bench.blocking_run(compiled, state, [host], rng,
-                                       compile_s[name])['advance']
-    steps[name] = functools.partial(advance, 0)
+    steps[name], compile_s[name] = _blocking_train_step(
+        config.replace(scan_layers=scan), host, rng)
   step = compare(steps['with'], steps['without'], repeats)
   return {
       'scan_layers_compile': {

@@ -408,6 +408,7 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
   max_len = default_max_len(config, src.shape[1]) if max_len is None else max_len
   tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len)
   return beam_search(
-      tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
-      alpha=alpha, bos_id=config.bos_id, eos_id=config.eos_id,
-      pad_id=config.pad_id, n_best=n_best, on_step=on_step)
+      tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
+      max_len=max_len, alpha=alpha, bos_id=config.bos_id,
+      eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
+      on_step=on_step)

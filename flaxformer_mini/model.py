@@ -73,7 +73,6 @@ class Decoder(nn.Module):
     # Nothing to recompute while decoding: no backward pass.
     layer = (nn.remat(DecoderLayer, static_argnums=(5, 6))
              if cfg.remat and not decode else DecoderLayer)
-
     if cfg.scan_layers:
       y, _ = _scanned_layers(cfg, layer, cfg.num_decoder_layers,
                              (deterministic, decode))(y, encoded, src_mask,
