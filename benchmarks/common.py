@@ -8,6 +8,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 from flaxformer_mini import host_memory
 
@@ -52,6 +53,34 @@ def best_seconds(run, repeats: int) -> float:
   """
   run()
   return min(_wall_times(run, repeats))
+
+
+def interleaved_seconds(runs: dict, repeats: int) -> dict[str, list[float]]:
+  """Wall times of each blocking `runs[name]()`, taken in turns.
+
+  Round i times every run once, so that a slow spell of the shared machine
+  falls on all of them alike instead of on whichever ran then.
+  """
+  times = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def speedup(theirs: list[float], ours: list[float]) -> dict:
+  """Their time over ours, from the times of interleaved rounds.
+
+  `speedup` is the ratio of the medians; `speedup_quartiles` are the 25th
+  and 75th percentiles of the round-by-round ratios, how far a single
+  comparison on this machine can be trusted.
+  """
+  rounds = np.asarray(theirs) / np.asarray(ours)
+  return {'speedup': statistics.median(theirs) / statistics.median(ours),
+          'speedup_quartiles': [float(q) for q in
+                                np.percentile(rounds, [25, 75])]}
 
 
 def emit(result: dict) -> None:

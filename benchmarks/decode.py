@@ -9,7 +9,9 @@ JSON object.
 
 The Flax WMT example (benchmarks/flax_wmt.py) decodes the same sources with
 its own model and beam_search (beam > 1) or a cached greedy loop over its
-model (beam 1), in the same process; `speedup` is its time over ours. For
+model (beam 1), in the same process, its searches and ours timed in turns;
+`speedup` is its median time over ours, `speedup_quartiles` the quartiles of
+the round-by-round ratios. For
 greedy decoding on a CPU with PyTorch installed, the Annotated Transformer's
 greedy_decode (benchmarks/annotated_transformer.py: a sentence at a time, no
 cache) decodes them too. --no_baseline skips the baselines.
@@ -72,7 +74,8 @@ def random_model_and_sources(config, batch: int = 32, src_len: int = 32):
   return params, src
 
 
-def _timed(fn, params, src, gen_len: int, repeats: int, eos_id: int):
+def _compiled(fn, params, src, gen_len: int, eos_id: int):
+  """fn compiled ahead of time and called once (checked) -> (call, figures)."""
   start = time.perf_counter()
   compiled = jax.jit(fn).lower(params, src).compile()
   compile_s = time.perf_counter() - start
@@ -81,31 +84,37 @@ def _timed(fn, params, src, gen_len: int, repeats: int, eos_id: int):
   first_run_s = time.perf_counter() - start
   assert out.shape == (src.shape[0], gen_len), out.shape
   assert not np.any(np.asarray(out) == eos_id)
-  seconds = common.median_seconds(
-      lambda: jax.block_until_ready(compiled(params, src)), repeats)
-  batch = src.shape[0]
-  return {
-      'compile_s': compile_s,
-      'first_call_s': compile_s + first_run_s,
-      'decode_s': seconds,
-      'step_s': seconds / gen_len,
-      'sentences_per_s': batch / seconds,
-      'generated_tokens_per_s': batch * gen_len / seconds,
-  }
+  return (lambda: jax.block_until_ready(compiled(params, src)),
+          {'compile_s': compile_s, 'first_call_s': compile_s + first_run_s})
+
+
+def _throughput(times: list[float], batch: int, gen_len: int) -> dict:
+  seconds = float(np.median(times))
+  return {'decode_s': seconds, 'step_s': seconds / gen_len,
+          'sentences_per_s': batch / seconds,
+          'generated_tokens_per_s': batch * gen_len / seconds}
 
 
 def measure(config, params, baseline_params, src, beam_size: int,
             gen_len: int, repeats: int):
-  run = functools.partial(decode_without_eos, config=config,
-                          beam_size=beam_size, gen_len=gen_len)
-  result = {'beam': beam_size, **_timed(run, params, src, gen_len, repeats,
-                                        config.eos_id)}
+  """Ours and the Flax WMT example's search, timed in turns (medians)."""
+  calls, result = {}, {'beam': beam_size}
+  calls['ours'], compiled = _compiled(
+      functools.partial(decode_without_eos, config=config,
+                        beam_size=beam_size, gen_len=gen_len),
+      params, src, gen_len, config.eos_id)
+  result.update(compiled)
   if baseline_params is not None:
-    theirs = functools.partial(flax_wmt.decode_without_eos, config=config,
-                               beam_size=beam_size, gen_len=gen_len)
-    result['flax_wmt'] = _timed(theirs, baseline_params, src, gen_len,
-                                repeats, config.eos_id)
-    result['speedup'] = result['flax_wmt']['decode_s'] / result['decode_s']
+    calls['flax_wmt'], result['flax_wmt'] = _compiled(
+        functools.partial(flax_wmt.decode_without_eos, config=config,
+                          beam_size=beam_size, gen_len=gen_len),
+        baseline_params, src, gen_len, config.eos_id)
+  times = common.interleaved_seconds(calls, repeats)
+  batch = src.shape[0]
+  result.update(_throughput(times['ours'], batch, gen_len))
+  if baseline_params is not None:
+    result['flax_wmt'].update(_throughput(times['flax_wmt'], batch, gen_len))
+    result.update(common.speedup(times['flax_wmt'], times['ours']))
     if beam_size == 1:
       result['annotated_transformer'] = _annotated_greedy(
           config, src, gen_len, repeats, result['decode_s'])
@@ -138,7 +147,7 @@ def main():
   parser.add_argument('--batch', type=int, default=32)
   parser.add_argument('--src_len', type=int, default=32)
   parser.add_argument('--gen_len', type=int, default=32)
-  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--repeats', type=int, default=7)
   parser.add_argument('--dtype', default='float32',
                       choices=['float32', 'bfloat16'])
   parser.add_argument('--no_baseline', action='store_true',

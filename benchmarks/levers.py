@@ -249,9 +249,8 @@ def _blocking_train_step(config, batch, rng, lowered_check=None):
   if lowered_check is not None:
     lowered_check(step.lower(state, batch, rng).as_text())
   compiled, compile_s = train_bench.compile_timed(step, state, batch, rng)
-  advance = train_bench.blocking_run(compiled, state, [batch], rng,
-                                     compile_s)['advance']
-  return functools.partial(advance, 0), compile_s
+  return train_bench.blocking_run(compiled, state, [batch], rng,
+                                  compile_s)['advance'], compile_s
 
 
 def dense_weight_gradient(config_name: str, repeats: int) -> dict:
@@ -283,8 +282,7 @@ def donated_state(config, repeats):
       train_bench.blocking_run(jitted, create_train_state(
           config, jax.random.key(0)), [host], rng, compile_s=None)['advance']
       for jitted in (jax.jit(step, donate_argnums=0), jax.jit(step)))
-  return compare(functools.partial(donating, 0),
-                 functools.partial(copying, 0), repeats)
+  return compare(donating, copying, repeats)
 
 
 def fused_qkv(config, repeats):

@@ -93,7 +93,7 @@ def table(results: list[dict]) -> str:
             f"| decode | {r['config']} | {search} | {d['compile_s']:.1f} | "
             f"{d['first_call_s']:.1f} | {d['step_s'] * 1e3:.1f} ms | "
             f"{d['sentences_per_s']:.0f} | {d['generated_tokens_per_s']:,.0f} | "
-            f"{d['flax_wmt']['sentences_per_s']:.0f} | {d['speedup']:.2f}x |")
+            f"{d['flax_wmt']['sentences_per_s']:.0f} | {_speedup(d)} |")
   lines += _annotated_table(rest)
   for r in rest:
     if r['benchmark'] == 'copy_task':
@@ -125,7 +125,7 @@ def _annotated_table(rest: list[dict]) -> list[str]:
       if 'step_s' in theirs:
         rows.append(f"| train step | {r['config']} | {_variant(r)} | "
                     f"{theirs['step_s']:.4g} s, MFU {theirs['mfu']:.0%} | "
-                    f"{theirs['speedup']:.2f}x |")
+                    f"{_speedup(theirs)} |")
     if r['benchmark'] == 'decode':
       for d in r['runs']:
         theirs = d.get('annotated_transformer', {})
@@ -155,7 +155,18 @@ def _baseline(r: dict) -> str:
     return '(not run) | —'
   theirs = r['flax_wmt']
   return (f"{theirs['compile_s']:.1f}, {theirs['step_s']:.4g}, "
-          f"{theirs['mfu']:.0%} | {r['speedup']:.2f}x")
+          f"{theirs['mfu']:.0%} | {_speedup(r)}")
+
+
+def _speedup(r: dict) -> str:
+  """'1.33x (1.29–1.37)': the medians' ratio and the rounds' quartiles.
+
+  Results saved before the quartiles were measured give the ratio alone.
+  """
+  if 'speedup_quartiles' not in r:
+    return f"{r['speedup']:.2f}x"
+  low, high = r['speedup_quartiles']
+  return f"{r['speedup']:.2f}x ({low:.2f}–{high:.2f})"
 
 
 def cpu_suite(peak: dict) -> Iterator[dict]:

@@ -23,12 +23,14 @@ positions, pad included. MFU divides by the measured matmul peak
 The Flax WMT example's model (benchmarks/flax_wmt.py) and, on a CPU with
 PyTorch installed, the Annotated Transformer (benchmarks/annotated_transformer.py)
 run on the same batches in the same process, their steps interleaved with
-ours so that all see the same machine; each baseline's `speedup` is its step
-time over ours (the top-level `speedup` is the Flax WMT example's).
+ours so that all see the same machine; each baseline's `speedup` is its median
+step time over ours and `speedup_quartiles` the quartiles of the step-by-step
+ratios (the top-level ones are the Flax WMT example's).
 --no_baseline skips them.
 """
 
 import argparse
+import itertools
 import time
 
 import jax
@@ -89,11 +91,12 @@ def compile_timed(step, state, batch, rng):
 
 
 def blocking_run(step, state, batches, rng, compile_s: float | None) -> dict:
-  """A run whose advance(i) makes step i and waits for it to finish."""
+  """A run whose advance() makes the next step and waits for it to finish."""
   holder = {'state': state}
+  batches_in_turn = itertools.cycle(batches)
 
-  def advance(i):
-    holder['state'], metrics = step(holder['state'], batches[i % len(batches)],
+  def advance():
+    holder['state'], metrics = step(holder['state'], next(batches_in_turn),
                                     rng)
     jax.block_until_ready((holder['state'], metrics))
 
@@ -115,10 +118,11 @@ def _baselines(config, host_batches, init_rng, dropout_rng) -> dict:
   else:
     ns = annotated_transformer.load()
     torch_step = annotated_transformer.train_step_fn(ns, config)
-    torch_batches = [annotated_transformer.torch_batch(ns, b, config.pad_id)
-                     for b in host_batches]
+    torch_batches = itertools.cycle([
+        annotated_transformer.torch_batch(ns, b, config.pad_id)
+        for b in host_batches])
     runs['annotated_transformer'] = {
-        'advance': lambda i: torch_step(torch_batches[i % len(torch_batches)]),
+        'advance': lambda: torch_step(next(torch_batches)),
         'compile_s': None}  # eager: nothing to compile
   return runs
 
@@ -136,40 +140,37 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
   runs = {'ours': blocking_run(step, state, batches, dropout_rng, compile_s)}
   if baseline:
     runs.update(_baselines(config, host_batches, init_rng, dropout_rng))
-  timed = {name: run for name, run in runs.items() if 'advance' in run}
-
-  for i in range(2 + steps):  # two warm-up steps, then the timed ones
-    for run in timed.values():
-      start = time.perf_counter()
-      run['advance'](i)
-      if i >= 2:
-        run.setdefault('times', []).append(time.perf_counter() - start)
+  advances = {name: run['advance'] for name, run in runs.items()
+              if 'advance' in run}
+  common.interleaved_seconds(advances, 2)  # warm-up
+  times = common.interleaved_seconds(advances, steps)
 
   real = np.mean([int((np.asarray(b.src) != config.pad_id).sum()) +
                   int(b.ntokens) for b in host_batches])
   target = np.mean([int(b.ntokens) for b in host_batches])
   flops = model_flops_per_step(config, batch, length, length)
 
-  def figures(run):
-    step_s = float(np.median(run['times']))
-    return {'compile_s': run['compile_s'], 'step_s': step_s,
+  def figures(name):
+    step_s = float(np.median(times[name]))
+    return {'compile_s': runs[name]['compile_s'], 'step_s': step_s,
             'tokens_per_s': real / step_s,
             'target_tokens_per_s': target / step_s,
             'mfu': flops / step_s / 1e9 / peak_gflops}
 
-  result = {**figures(runs['ours']), 'gflop_per_step': flops / 1e9,
+  result = {**figures('ours'), 'gflop_per_step': flops / 1e9,
             'peak_gflops': peak_gflops,
             'padding': 1 - real / (2 * batch * length)}
   for name, run in runs.items():
     if name == 'ours':
       continue
-    if name not in timed:
+    if name not in advances:
       result[name] = {'not_run': run['not_run']}
       continue
-    result[name] = figures(run)
-    result[name]['speedup'] = result[name]['step_s'] / result['step_s']
+    result[name] = {**figures(name),
+                    **common.speedup(times[name], times['ours'])}
   if baseline:  # the issue's headline ratio: against the Flax WMT example
     result['speedup'] = result['flax_wmt']['speedup']
+    result['speedup_quartiles'] = result['flax_wmt']['speedup_quartiles']
   return result
 
 
@@ -177,7 +178,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='small', choices=sorted(SHAPES))
   parser.add_argument('--pad', default='full', choices=['full', 'pad20'])
-  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--steps', type=int, default=20)
   parser.add_argument('--dropout', type=float, default=0.1,
                       help='dropout rate (0 measures what dropout costs)')
   parser.add_argument('--batch', type=int,
