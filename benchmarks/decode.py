@@ -10,8 +10,8 @@ JSON object.
 The Flax WMT example (benchmarks/flax_wmt.py) decodes the same sources with
 its own model and beam_search (beam > 1) or a cached greedy loop over its
 model (beam 1), in the same process, its searches and ours timed in turns;
-`speedup` is its median time over ours, `speedup_quartiles` the quartiles of
-the round-by-round ratios. For
+`speedup` is its median time over ours, with a 90 % bootstrap interval
+(common.speedup). For
 greedy decoding on a CPU with PyTorch installed, the Annotated Transformer's
 greedy_decode (benchmarks/annotated_transformer.py: a sentence at a time, no
 cache) decodes them too. --no_baseline skips the baselines.

@@ -159,13 +159,13 @@ def _baseline(r: dict) -> str:
 
 
 def _speedup(r: dict) -> str:
-  """'1.33x (1.29–1.37)': the medians' ratio and the rounds' quartiles.
+  """'1.33x (1.29–1.37)': the medians' ratio and its 90 % interval.
 
-  Results saved before the quartiles were measured give the ratio alone.
+  Results saved before the interval was measured give the ratio alone.
   """
-  if 'speedup_quartiles' not in r:
+  if 'speedup_interval' not in r:
     return f"{r['speedup']:.2f}x"
-  low, high = r['speedup_quartiles']
+  low, high = r['speedup_interval']
   return f"{r['speedup']:.2f}x ({low:.2f}–{high:.2f})"
 
 

@@ -24,8 +24,8 @@ The Flax WMT example's model (benchmarks/flax_wmt.py) and, on a CPU with
 PyTorch installed, the Annotated Transformer (benchmarks/annotated_transformer.py)
 run on the same batches in the same process, their steps interleaved with
 ours so that all see the same machine; each baseline's `speedup` is its median
-step time over ours and `speedup_quartiles` the quartiles of the step-by-step
-ratios (the top-level ones are the Flax WMT example's).
+step time over ours, with a 90 % bootstrap interval (common.speedup; the
+top-level ones are the Flax WMT example's).
 --no_baseline skips them.
 """
 
@@ -170,7 +170,7 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
                     **common.speedup(times[name], times['ours'])}
   if baseline:  # the issue's headline ratio: against the Flax WMT example
     result['speedup'] = result['flax_wmt']['speedup']
-    result['speedup_quartiles'] = result['flax_wmt']['speedup_quartiles']
+    result['speedup_interval'] = result['flax_wmt']['speedup_interval']
   return result
 
 
