@@ -84,13 +84,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def compare(with_lever, without_lever, repeats: int) -> dict:
   """Interleaved best-of-`repeats` times of two blocking callables."""
-  with_lever(), without_lever()
-  times = {'with': [], 'without': []}
-  for _ in range(repeats):
-    for name, run in (('with', with_lever), ('without', without_lever)):
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
+  runs = {'with': with_lever, 'without': without_lever}
+  common.interleaved_seconds(runs, 1)  # warm-up
+  times = common.interleaved_seconds(runs, repeats)
   with_s, without_s = (min(times[k]) for k in ('with', 'without'))
   return {'with_s': with_s, 'without_s': without_s,
           'speedup': without_s / with_s}
