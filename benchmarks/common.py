@@ -31,13 +31,23 @@ def environment() -> dict:
   }
 
 
-def _wall_times(run, repeats: int) -> list[float]:
-  times = []
+def interleaved_seconds(runs: dict, repeats: int) -> dict[str, list[float]]:
+  """Wall times of each blocking `runs[name]()`, taken in turns.
+
+  Round i times every run once, so that a slow spell of the shared machine
+  falls on all of them alike instead of on whichever ran then.
+  """
+  times = {name: [] for name in runs}
   for _ in range(repeats):
-    start = time.perf_counter()
-    run()
-    times.append(time.perf_counter() - start)
+    for name, run in runs.items():
+      start = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - start)
   return times
+
+
+def _wall_times(run, repeats: int) -> list[float]:
+  return interleaved_seconds({'run': run}, repeats)['run']
 
 
 def median_seconds(run, repeats: int) -> float:
@@ -53,21 +63,6 @@ def best_seconds(run, repeats: int) -> float:
   """
   run()
   return min(_wall_times(run, repeats))
-
-
-def interleaved_seconds(runs: dict, repeats: int) -> dict[str, list[float]]:
-  """Wall times of each blocking `runs[name]()`, taken in turns.
-
-  Round i times every run once, so that a slow spell of the shared machine
-  falls on all of them alike instead of on whichever ran then.
-  """
-  times = {name: [] for name in runs}
-  for _ in range(repeats):
-    for name, run in runs.items():
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
-  return times
 
 
 # Bootstrap resamples behind a speed-up's interval.
