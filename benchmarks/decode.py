@@ -74,17 +74,17 @@ def random_model_and_sources(config, batch: int = 32, src_len: int = 32):
   return params, src
 
 
-def _compiled(fn, params, src, gen_len: int, eos_id: int):
+def compiled(fn, params, src, gen_len: int, eos_id: int):
   """fn compiled ahead of time and called once (checked) -> (call, figures)."""
   start = time.perf_counter()
-  compiled = jax.jit(fn).lower(params, src).compile()
+  executable = jax.jit(fn).lower(params, src).compile()
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
-  out = jax.block_until_ready(compiled(params, src))
+  out = jax.block_until_ready(executable(params, src))
   first_run_s = time.perf_counter() - start
   assert out.shape == (src.shape[0], gen_len), out.shape
   assert not np.any(np.asarray(out) == eos_id)
-  return (lambda: jax.block_until_ready(compiled(params, src)),
+  return (lambda: jax.block_until_ready(executable(params, src)),
           {'compile_s': compile_s, 'first_call_s': compile_s + first_run_s})
 
 
@@ -99,13 +99,13 @@ def measure(config, params, baseline_params, src, beam_size: int,
             gen_len: int, repeats: int):
   """Ours and the Flax WMT example's search, timed in turns (medians)."""
   calls, result = {}, {'beam': beam_size}
-  calls['ours'], compiled = _compiled(
+  calls['ours'], figures = compiled(
       functools.partial(decode_without_eos, config=config,
                         beam_size=beam_size, gen_len=gen_len),
       params, src, gen_len, config.eos_id)
-  result.update(compiled)
+  result.update(figures)
   if baseline_params is not None:
-    calls['flax_wmt'], result['flax_wmt'] = _compiled(
+    calls['flax_wmt'], result['flax_wmt'] = compiled(
         functools.partial(flax_wmt.decode_without_eos, config=config,
                           beam_size=beam_size, gen_len=gen_len),
         baseline_params, src, gen_len, config.eos_id)
