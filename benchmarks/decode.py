@@ -74,17 +74,17 @@ def random_model_and_sources(config, batch: int = 32, src_len: int = 32):
   return params, src
 
 
-def compiled(fn, params, src, gen_len: int, eos_id: int):
+def _compiled(fn, params, src, gen_len: int, eos_id: int):
   """fn compiled ahead of time and called once (checked) -> (call, figures)."""
   start = time.perf_counter()
-  executable = jax.jit(fn).lower(params, src).compile()
+  compiled = jax.jit(fn).lower(params, src).compile()
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
-  out = jax.block_until_ready(executable(params, src))
+  out = jax.block_until_ready(compiled(params, src))
   first_run_s = time.perf_counter() - start
   assert out.shape == (src.shape[0], gen_len), out.shape
   assert not np.any(np.asarray(out) == eos_id)
-  return (lambda: jax.block_until_ready(executable(params, src)),
+  return (lambda: jax.block_until_ready(compiled(params, src)),
           {'compile_s': compile_s, 'first_call_s': compile_s + first_run_s})
 
 
@@ -96,16 +96,20 @@ def _throughput(times: list[float], batch: int, gen_len: int) -> dict:
 
 
 def measure(config, params, baseline_params, src, beam_size: int,
-            gen_len: int, repeats: int):
-  """Ours and the Flax WMT example's search, timed in turns (medians)."""
+            gen_len: int, repeats: int, annotated: bool = True):
+  """Ours and the Flax WMT example's search, timed in turns (medians).
+
+  annotated: greedy searches are also timed against the Annotated
+  Transformer's greedy_decode (where PyTorch is installed).
+  """
   calls, result = {}, {'beam': beam_size}
-  calls['ours'], figures = compiled(
+  calls['ours'], compiled = _compiled(
       functools.partial(decode_without_eos, config=config,
                         beam_size=beam_size, gen_len=gen_len),
       params, src, gen_len, config.eos_id)
-  result.update(figures)
+  result.update(compiled)
   if baseline_params is not None:
-    calls['flax_wmt'], result['flax_wmt'] = compiled(
+    calls['flax_wmt'], result['flax_wmt'] = _compiled(
         functools.partial(flax_wmt.decode_without_eos, config=config,
                           beam_size=beam_size, gen_len=gen_len),
         baseline_params, src, gen_len, config.eos_id)
@@ -115,7 +119,7 @@ def measure(config, params, baseline_params, src, beam_size: int,
   if baseline_params is not None:
     result['flax_wmt'].update(_throughput(times['flax_wmt'], batch, gen_len))
     result.update(common.speedup(times['flax_wmt'], times['ours']))
-    if beam_size == 1:
+    if beam_size == 1 and annotated:
       result['annotated_transformer'] = _annotated_greedy(
           config, src, gen_len, repeats, result['decode_s'])
   return result

@@ -165,26 +165,20 @@ def measure_search(config, beam_size: int, repeats: int) -> dict:
                          loop_trips=gen_len)
   floor_s, flops, rows = matmul_floor(matmuls, _seconds_in_loop, repeats)
   models, _ = flax_wmt.load()
-  baseline = functools.partial(flax_wmt.decode_without_eos, config=config,
-                               beam_size=beam_size, gen_len=gen_len)
-  calls = {
-      'ours': decode_bench.compiled(search, params, src, gen_len,
-                                    config.eos_id)[0],
-      'flax_wmt': decode_bench.compiled(
-          baseline, flax_wmt.create_state(models, config,
-                                          jax.random.key(0)).params,
-          src, gen_len, config.eos_id)[0]}
-  times = {name: float(np.median(seconds)) for name, seconds in
-           common.interleaved_seconds(calls, max(3, repeats // 2)).items()}
+  baseline_params = flax_wmt.create_state(models, config,
+                                          jax.random.key(0)).params
+  searches = decode_bench.measure(config, params, baseline_params, src,
+                                  beam_size, gen_len, max(3, repeats // 2),
+                                  annotated=False)
+  ours_s, theirs_s = searches['decode_s'], searches['flax_wmt']['decode_s']
   return {'beam': beam_size, 'batch': src.shape[0], 'src_len': src.shape[1],
           'gen_len': gen_len, 'dot_generals': sum(matmuls.values()),
           'matmul_floor_s': floor_s, 'matmul_gflop': flops,
           'matmul_gflop_per_s': flops / floor_s,
-          'search_s': times['ours'], 'flax_wmt_search_s': times['flax_wmt'],
-          'matmul_share': floor_s / times['ours'],
-          'speedup': times['flax_wmt'] / times['ours'],
-          'ceiling_speedup': times['flax_wmt'] / floor_s, 'matmuls': rows}
-
+          'search_s': ours_s, 'flax_wmt_search_s': theirs_s,
+          'matmul_share': floor_s / ours_s, 'speedup': searches['speedup'],
+          'speedup_interval': searches['speedup_interval'],
+          'ceiling_speedup': theirs_s / floor_s, 'matmuls': rows}
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
