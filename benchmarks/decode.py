@@ -74,6 +74,12 @@ def random_model_and_sources(config, batch: int = 32, src_len: int = 32):
   return params, src
 
 
+def flax_wmt_params(config):
+  """The Flax WMT example's model at config's sizes, random weights -> params."""
+  models, _ = flax_wmt.load()
+  return flax_wmt.create_state(models, config, jax.random.key(0)).params
+
+
 def _compiled(fn, params, src, gen_len: int, eos_id: int):
   """fn compiled ahead of time and called once (checked) -> (call, figures)."""
   start = time.perf_counter()
@@ -159,11 +165,7 @@ def main():
   args = parser.parse_args()
   config = get_config(args.config).replace(dropout_rate=0.0, dtype=args.dtype)
   params, src = random_model_and_sources(config, args.batch, args.src_len)
-  baseline_params = None
-  if not args.no_baseline:
-    models, _ = flax_wmt.load()
-    baseline_params = flax_wmt.create_state(
-        models, config, jax.random.key(0)).params
+  baseline_params = None if args.no_baseline else flax_wmt_params(config)
   runs = [measure(config, params, baseline_params, src, beam, args.gen_len,
                   args.repeats) for beam in args.beam]
   common.emit({'benchmark': 'decode', 'config': args.config,

@@ -36,7 +36,6 @@ from flaxformer_mini.training import create_train_state, train_step
 
 import common
 import decode as decode_bench
-import flax_wmt
 import train_step as train_bench
 
 
@@ -164,10 +163,8 @@ def measure_search(config, beam_size: int, repeats: int) -> dict:
   matmuls = dot_generals(jax.make_jaxpr(search)(params, src).jaxpr,
                          loop_trips=gen_len)
   floor_s, flops, rows = matmul_floor(matmuls, _seconds_in_loop, repeats)
-  models, _ = flax_wmt.load()
-  baseline_params = flax_wmt.create_state(models, config,
-                                          jax.random.key(0)).params
-  searches = decode_bench.measure(config, params, baseline_params, src,
+  searches = decode_bench.measure(config, params,
+                                  decode_bench.flax_wmt_params(config), src,
                                   beam_size, gen_len, max(3, repeats // 2),
                                   annotated=False)
   ours_s, theirs_s = searches['decode_s'], searches['flax_wmt']['decode_s']
