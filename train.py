@@ -130,12 +130,13 @@ def main(argv: list[str]) -> None:
     from flaxformer_mini import tour
     tour.print_tour(config, args.workdir)
     return
-  from flaxformer_mini import experiment, parallel
+  from flaxformer_mini import attention, experiment, parallel
   if args.multihost or args.coordinator_address:
     parallel.initialize_multihost(args.coordinator_address, args.num_processes,
                                   args.process_id)
   try:
     parallel.check_divisible(config.batch_size)
+    attention.check_backend(config)
   except ValueError as e:
     build_parser().error(str(e))
   from flaxformer_mini.checkpoints import CheckpointError

@@ -8,8 +8,8 @@ it. Each time is the best of --repeats runs: the work is deterministic, so
 the fastest run is the one least disturbed by the rest of a shared machine.
 Differences within about 10 % are not measurable that way. Levers the
 project keeps are marked `kept`; the two-stage top-k and the fused QKV
-projection are measured and not kept (they lose on CPU); scan_layers is an
-option, off by default (`kept` says 'option').
+projection are measured and not kept (they lose on CPU); scan_layers and
+fused_attention are options, off by default (`kept` says 'option').
 
 - cross_attention_memory: decoding projects the encoder output through W^K,
   W^V once (decoding.project_memory) instead of at every step. Greedy search,
@@ -41,6 +41,10 @@ option, off by default (`kept` says 'option').
   traced).
 - donated_state: the training step donates its input state (buffers reused
   in place), against a step that does not.
+- fused_attention: the `small` training step (64 x 32, whatever --config)
+  with attention through jax.nn.dot_product_attention
+  (config.attention_implementation='xla', an option; 'cudnn' needs a GPU)
+  against the explicit products, softmax and masks.
 - fused_qkv: one [d, 3d] projection instead of three [d, d] (forward +
   backward on [batch * len, d]).
 - scan_layers_compile, scan_layers_step: the `base` training step
@@ -281,6 +285,15 @@ def donated_state(config, repeats):
   return compare(donating, copying, repeats)
 
 
+def fused_attention(config, repeats):
+  config, host = _one_batch('small', config)
+  rng = jax.random.key(1)
+  fused, explicit = (
+      _blocking_train_step(config.replace(attention_implementation=name),
+                           host, rng)[0] for name in ('xla', 'explicit'))
+  return compare(fused, explicit, repeats)
+
+
 def fused_qkv(config, repeats):
   d = config.d_model
   x = jax.random.normal(jax.random.key(0), (64 * 32, d))
@@ -401,6 +414,8 @@ def main():
       **table_major_logits(max(3, args.repeats // 3)), 'kept': True}
   results['compilation_cache'] = {**compilation_cache(args.repeats),
                                   'kept': True}
+  results['fused_attention'] = {
+      **fused_attention(config, max(3, args.repeats // 3)), 'kept': 'option'}
   for name, result in scan_layers(max(3, args.repeats // 3)).items():
     results[name] = {**result, 'kept': 'option'}
   results['keep_freed_memory'] = {

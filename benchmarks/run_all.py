@@ -7,7 +7,8 @@
 Two suites: `cpu` (the issue's float32 shapes, the copy task and the levers)
 and `accelerator` (bfloat16 on a GPU or TPU: the base step at the issue's
 batch and at a batch that fills the chip, float32 at that batch, bfloat16
-decoding and the copy task); the default is the suite of the backend JAX
+decoding, the copy task and, on a GPU, the bfloat16 step at that batch with
+cuDNN's fused attention); the default is the suite of the backend JAX
 finds. Results measured on another machine come into the README with
 --from_json.
 
@@ -141,12 +142,14 @@ def _annotated_table(rest: list[dict]) -> list[str]:
 
 
 def _variant(r: dict) -> str:
-  """'full', or 'full, 256 sentences, bfloat16' where they differ."""
+  """'full', or 'full, 256 sentences, bfloat16, cudnn attention' where they differ."""
   parts = [r['pad']]
   if r['batch'] != SHAPES[r['config']][0]:
     parts.append(f"{r['batch']} sentences")
   if r.get('dtype', 'float32') != 'float32':
     parts.append(r['dtype'])
+  if r.get('attention_implementation', 'explicit') != 'explicit':
+    parts.append(f"{r['attention_implementation']} attention")
   return ', '.join(parts)
 
 
@@ -194,6 +197,13 @@ def accelerator_suite(peak: dict) -> Iterator[dict]:
   yield run('decode.py', '--config=base', '--dtype=bfloat16',
             '--beam', '1', '4')
   yield run('copy_task.py')
+  if peak['environment']['backend'] == 'gpu':
+    # cuDNN's fused attention, against the bfloat16 step at the same batch;
+    # last, so that the rest is measured even where cuDNN refuses the shapes.
+    yield run('train_step.py', '--config=base', '--dtype=bfloat16',
+              f"--peak_gflops={peak['peak_gflops']['bfloat16']}",
+              f'--batch={ACCELERATOR_BATCH}',
+              '--attention_implementation=cudnn', '--no_baseline')
 
 
 SUITES = {'cpu': cpu_suite, 'accelerator': accelerator_suite}

@@ -3,6 +3,8 @@
   python benchmarks/train_step.py --config small --pad full
   python benchmarks/train_step.py --config base --pad pad20 --peak_gflops 90
   python benchmarks/train_step.py --config base --dtype bfloat16 --batch 256
+  python benchmarks/train_step.py --config base --dtype bfloat16 --batch 256 \
+      --attention_implementation cudnn   # a GPU's fused attention
 
 The step is the one `train.py` runs: `DataParallel.train_step` over every
 device (label-smoothed KL with eps 0.1, dropout 0.1, Adam + the Noam
@@ -36,7 +38,8 @@ import time
 import jax
 import numpy as np
 
-from flaxformer_mini.config import get_config
+from flaxformer_mini.attention import check_backend
+from flaxformer_mini.config import ATTENTION_IMPLEMENTATIONS, get_config
 from flaxformer_mini.masks import make_batch
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
@@ -185,6 +188,10 @@ def main():
                       help="sentences per batch (default: the config's shape)")
   parser.add_argument('--dtype', default='float32',
                       choices=['float32', 'bfloat16'])
+  parser.add_argument('--attention_implementation', default='explicit',
+                      choices=list(ATTENTION_IMPLEMENTATIONS),
+                      help="ours only: 'xla' or 'cudnn' attend through "
+                      'jax.nn.dot_product_attention')
   parser.add_argument('--no_baseline', action='store_true',
                       help="skip the baselines' steps")
   parser.add_argument('--peak_gflops', type=float,
@@ -192,14 +199,20 @@ def main():
   args = parser.parse_args()
   batch, length = SHAPES[args.config]
   batch = args.batch or batch
-  config = get_config(args.config).replace(
-      dropout_rate=args.dropout, label_smoothing=0.1, batch_size=batch,
-      max_len=max(length + 1, 64), dtype=args.dtype)
+  try:
+    config = get_config(args.config).replace(
+        dropout_rate=args.dropout, label_smoothing=0.1, batch_size=batch,
+        max_len=max(length + 1, 64), dtype=args.dtype,
+        attention_implementation=args.attention_implementation)
+    check_backend(config)
+  except ValueError as e:
+    parser.error(str(e))
   peak_gflops = args.peak_gflops or peak.measure()['peak_gflops'][args.dtype]
   common.emit({'benchmark': 'train_step', 'config': args.config,
                'pad': args.pad, 'batch': batch, 'length': length,
                'dropout': args.dropout,
                'dtype': args.dtype,
+               'attention_implementation': args.attention_implementation,
                **measure(config, batch, length, args.pad, args.steps,
                          peak_gflops, not args.no_baseline)})
 

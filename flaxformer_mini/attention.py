@@ -90,6 +90,55 @@ def attention_shared_by_groups(query, key, value, mask=None,
   return per_row(output), per_row(scores), per_row(weights)
 
 
+def fused_attention(query, key, value, key_lengths, causal: bool,
+                    implementation: str):
+  """softmax(Q K^T / sqrt(d_k)) V as one call of jax.nn.dot_product_attention.
+
+  The function scaled_dot_product_attention computes, for the masks this
+  model makes, taken in the form fused kernels want: how many keys of each
+  item are real (its padding comes after them) and whether query i sees only
+  keys j <= i. The scores and weights are never formed, so none are returned:
+  on a GPU, 'cudnn' (flash attention) keeps them out of memory altogether.
+
+  Args:
+    query: [batch, q_len, heads, d_k] (length before heads: the kernels'
+      layout, so no transpose is needed around them).
+    key, value: [batch, k_len, heads, d_k].
+    key_lengths: int32[batch], real keys per item; None: all keys are real.
+    causal: query i attends to keys j <= i only.
+    implementation: 'xla' or 'cudnn'.
+
+  Returns:
+    [batch, q_len, heads, d_k].
+  """
+  return jax.nn.dot_product_attention(
+      query, key, value, is_causal=causal,
+      key_value_seq_lengths=key_lengths, implementation=implementation)
+
+
+def check_backend(config: TransformerConfig) -> None:
+  """A clear error, before anything compiles, where config's attention cannot run."""
+  backend = jax.default_backend()
+  if config.attention_implementation == 'cudnn' and backend != 'gpu':
+    raise ValueError(
+        '--attention_implementation=cudnn needs an NVIDIA GPU, and this '
+        f'process runs on {backend}; use --attention_implementation=xla (the '
+        'same function on any backend) or explicit.')
+
+
+def key_lengths(mask, batch: int):
+  """Real keys per item of a padding (or padding AND causal) mask.
+
+  mask: bool, broadcastable to [batch, 1, q_len, k_len], padding at the end
+  of each item -> int32[batch]; None -> None. The last query row is the
+  padding row alone, since a causal mask lets the last query see every key.
+  """
+  if mask is None:
+    return None
+  lengths = jnp.sum(mask[:, 0, -1, :], axis=-1, dtype=jnp.int32)
+  return jnp.broadcast_to(lengths, (batch,))
+
+
 def split_heads(x, num_heads: int):
   """[batch, len, d_model] -> [batch, heads, len, d_k]."""
   batch, length, d_model = x.shape
@@ -116,9 +165,17 @@ class MultiHeadAttention(nn.Module):
   at every step. Those keys and values may have one row per sentence while
   the queries have one per beam (`beams` consecutive rows per sentence): the
   beams then share them (`attention_shared_by_groups`).
+
+  With `config.attention_implementation` 'xla' or 'cudnn', training and
+  evaluation attend through `fused_attention` instead; decoding, and any call
+  that collects 'intermediates', keep the explicit path above. The fused
+  kernels take masks as key counts and a causal flag (`causal`), so they need
+  this model's masks: padding at the end of each item, and causal where
+  `causal` says so.
   """
   config: TransformerConfig
   from_memory: bool = False
+  causal: bool = False  # the decoder's self-attention: its mask is causal
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv, mask=None, deterministic: bool = True,
@@ -146,6 +203,17 @@ class MultiHeadAttention(nn.Module):
     # gradient is exactly zero, and Adam would only turn rounding noise in
     # it into updates. So the keys have none.
     projection = lambda name, bias=True: dense(cfg.d_model, cfg, name, bias)
+    if (cfg.attention_implementation != 'explicit' and not decode and
+        not self.is_mutable_collection('intermediates')):
+      as_heads = lambda x: x.reshape(x.shape[:2] + (cfg.num_heads, cfg.d_k))
+      heads = fused_attention(
+          as_heads(projection('wq')(inputs_q)),
+          as_heads(projection('wk', bias=False)(inputs_kv)),
+          as_heads(projection('wv')(inputs_kv)),
+          key_lengths(mask, inputs_kv.shape[0]), self.causal,
+          cfg.attention_implementation)
+      return dense(cfg.d_model, cfg, 'wo')(
+          heads.reshape(inputs_q.shape[:2] + (cfg.d_model,)))
     query = split_heads(projection('wq')(inputs_q), cfg.num_heads)
     if decode and self.from_memory and self.has_variable('memory', 'key'):
       key = self.get_variable('memory', 'key')

@@ -36,10 +36,12 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.training import TrainState, init_params
 
 # Fields that may change between a run and its resumption: how long and how
-# often to log, evaluate and save, and how the step is mapped over devices.
+# often to log, evaluate and save, how the step is mapped over devices, and
+# which kernel computes attention (the same parameters and function).
 RESUMABLE_FIELDS = frozenset({
     'train_steps', 'max_train_minutes', 'log_every', 'eval_every',
-    'checkpoint_every', 'keep_checkpoints', 'parallel'})
+    'checkpoint_every', 'keep_checkpoints', 'parallel',
+    'attention_implementation'})
 AVERAGED_DIR = 'averaged'
 
 

@@ -10,6 +10,9 @@ import typing
 
 
 DTYPES = ('float32', 'bfloat16')
+# 'explicit': attention.py's own products, softmax and masks (what the tour
+# reads); 'xla' and 'cudnn': jax.nn.dot_product_attention's implementations.
+ATTENTION_IMPLEMENTATIONS = ('explicit', 'xla', 'cudnn')
 PARALLEL_MODES = ('shard_map', 'pmap')
 
 
@@ -57,6 +60,10 @@ class TransformerConfig:
   # of unrolled: one layer's code to compile, whatever the depth. Changes the
   # parameter tree (model.unroll_layers / model.scan_layers convert).
   scan_layers: bool = False
+  # How training and evaluation attend (see ATTENTION_IMPLEMENTATIONS):
+  # 'cudnn' is the fused flash-attention kernel of NVIDIA GPUs. Decoding and
+  # the tensor tour always take the explicit path, whose weights they read.
+  attention_implementation: str = 'explicit'
 
   # The objective and the optimizer.
   label_smoothing: float = 0.1
@@ -104,10 +111,23 @@ class TransformerConfig:
       value = getattr(self, name)
       if not 0.0 <= value < 1.0:
         raise ConfigError(f'--{name}={value}: must lie in [0, 1).')
-    for name, allowed in (('dtype', DTYPES), ('parallel', PARALLEL_MODES)):
+    for name, allowed in (('dtype', DTYPES), ('parallel', PARALLEL_MODES),
+                          ('attention_implementation',
+                           ATTENTION_IMPLEMENTATIONS)):
       if getattr(self, name) not in allowed:
         raise ConfigError(f'--{name}={getattr(self, name)}: allowed values: '
                           f'{", ".join(allowed)}.')
+    fused = self.attention_implementation != 'explicit'
+    if fused and self.attention_dropout_rate > 0:
+      raise ConfigError(
+          f'--attention_implementation={self.attention_implementation} has no '
+          'dropout on the attention weights: set --attention_dropout_rate=0 '
+          'or --attention_implementation=explicit.')
+    if self.attention_implementation == 'cudnn' and self.dtype != 'bfloat16':
+      raise ConfigError(
+          '--attention_implementation=cudnn: cuDNN fused attention runs in '
+          f'bfloat16 only, not --dtype={self.dtype}; set --dtype=bfloat16 or '
+          '--attention_implementation=xla.')
     if self.lr_factor <= 0 or self.layer_norm_epsilon <= 0:
       bad = 'lr_factor' if self.lr_factor <= 0 else 'layer_norm_epsilon'
       raise ConfigError(f'--{bad}={getattr(self, bad)}: must be positive.')

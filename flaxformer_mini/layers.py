@@ -95,7 +95,8 @@ class DecoderLayer(nn.Module):
     Returns:
       [batch, tgt_len, d_model].
     """
-    self_attention = MultiHeadAttention(self.config, name='self_attention')
+    self_attention = MultiHeadAttention(self.config, causal=True,
+                                        name='self_attention')
     cross_attention = MultiHeadAttention(self.config, from_memory=True,
                                          name='cross_attention')
     feed_forward = FeedForward(self.config, name='feed_forward')

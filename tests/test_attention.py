@@ -1,12 +1,19 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from flaxformer_mini.attention import (MultiHeadAttention,
-                                       attention_shared_by_groups, merge_heads,
+                                       attention_shared_by_groups,
+                                       check_backend, key_lengths,
+                                       merge_heads,
                                        scaled_dot_product_attention,
                                        split_heads)
 from flaxformer_mini.config import get_config
+from flaxformer_mini.losses import label_smoothed_kl
+from flaxformer_mini.masks import causal_mask, make_batch
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import init_params
 
 
 def _random_qkv(batch=2, heads=3, q_len=4, k_len=5, d_k=6):
@@ -96,3 +103,92 @@ def test_multi_head_attention_equals_per_head_attention_then_concat_and_wo():
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out, project(concatenated, 'wo'), rtol=1e-5,
                              atol=1e-6)
+
+
+def _padded_batch(cfg):
+  """Two pairs cut short by trailing pad, one full pair and one of one token."""
+  rng = np.random.default_rng(0)
+  src = rng.integers(3, cfg.src_vocab_size, (4, 9))
+  src[0, 5:] = cfg.pad_id
+  src[3, 1:] = cfg.pad_id
+  tgt = rng.integers(3, cfg.tgt_vocab_size, (4, 8))
+  tgt[:, 0] = cfg.bos_id
+  tgt[1, 4], tgt[1, 5:] = cfg.eos_id, cfg.pad_id
+  tgt[2, 2], tgt[2, 3:] = cfg.eos_id, cfg.pad_id
+  return make_batch(src, tgt, cfg)
+
+
+def test_key_lengths_count_the_real_keys_of_padding_and_target_masks():
+  cfg = get_config('toy')
+  batch = _padded_batch(cfg)
+  np.testing.assert_array_equal(key_lengths(batch.src_mask, 4), [5, 9, 9, 1])
+  np.testing.assert_array_equal(key_lengths(batch.tgt_mask, 4), [7, 5, 3, 7])
+  np.testing.assert_array_equal(key_lengths(causal_mask(3), 2), [3, 3])
+  assert key_lengths(None, 4) is None
+
+
+def test_fused_attention_is_the_explicit_path_on_every_real_position(
+    monkeypatch):
+  """The same logits and gradients, through jax.nn.dot_product_attention.
+
+  'xla' takes the same arguments (key counts, the causal flag) that 'cudnn'
+  takes on a GPU. Pad positions may differ (their queries see pad keys in
+  the decoder); nothing reads them, so the gradients are the same.
+  """
+  cfg = get_config('toy').replace(src_vocab_size=20, tgt_vocab_size=20,
+                                  dropout_rate=0.0)
+  batch = _padded_batch(cfg)
+  params = init_params(cfg, jax.random.key(0))
+  real = np.asarray(batch.tgt_out != cfg.pad_id)
+
+  def loss_and_logits(params, implementation):
+    logits = Transformer(cfg.replace(
+        attention_implementation=implementation)).apply(
+            {'params': params}, batch.src, batch.tgt_in, batch.src_mask,
+            batch.tgt_mask)
+    loss_sum, _ = label_smoothed_kl(logits, batch.tgt_out, 0.1, cfg.pad_id)
+    return loss_sum, logits
+
+  (explicit_loss, explicit), explicit_grads = jax.value_and_grad(
+      loss_and_logits, has_aux=True)(params, 'explicit')
+  calls = []
+  fused_kernel = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, 'dot_product_attention',
+                      lambda *a, **k: calls.append(k) or fused_kernel(*a, **k))
+  (fused_loss, fused), fused_grads = jax.value_and_grad(
+      loss_and_logits, has_aux=True)(params, 'xla')
+  # Every block went through the fused call: 2 encoder self-attentions, 2
+  # causal decoder self-attentions and 2 encoder-decoder attentions.
+  assert [k['is_causal'] for k in calls] == [False] * 2 + [True, False] * 2
+  np.testing.assert_allclose(np.asarray(fused)[real],
+                             np.asarray(explicit)[real], atol=1e-5)
+  np.testing.assert_allclose(fused_loss, explicit_loss, rtol=1e-6)
+  for got, expected in zip(jax.tree.leaves(fused_grads),
+                           jax.tree.leaves(explicit_grads)):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_collecting_intermediates_takes_the_explicit_path():
+  # The tour and the plots read the attention weights, which fused kernels
+  # never form.
+  cfg = get_config('toy').replace(attention_implementation='xla')
+  batch = _padded_batch(cfg.replace(src_vocab_size=11, tgt_vocab_size=11))
+  model = Transformer(cfg)
+  params = init_params(cfg, jax.random.key(0))
+  _, state = model.apply({'params': params}, batch.src, batch.tgt_in,
+                         batch.src_mask, batch.tgt_mask,
+                         mutable=['intermediates'])
+  weights = state['intermediates']['decoder']['layer_0']['self_attention'][
+      'weights'][0]
+  assert weights.shape == (4, cfg.num_heads, 7, 7)
+  assert np.all(np.asarray(weights)[..., 0, 1:] == 0.0)  # causal
+
+
+@pytest.mark.skipif(jax.default_backend() == 'gpu',
+                    reason='cudnn attention runs on a GPU')
+def test_cudnn_attention_elsewhere_is_refused_before_compiling():
+  cfg = get_config('toy').replace(attention_implementation='cudnn',
+                                  dtype='bfloat16')
+  with pytest.raises(ValueError, match='needs an NVIDIA GPU.*xla'):
+    check_backend(cfg)
+  check_backend(cfg.replace(attention_implementation='xla'))

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, interruption, damage, NaN guard, averaging, devices."""
 
+import dataclasses
 import functools
 import glob
 import json
@@ -84,6 +85,16 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path,
     _train_in(tmp_path, cfg.replace(train_steps=20, d_ff=128))
   # train_steps, log_every, ... may change: that is how a run is extended.
   _train_in(tmp_path, cfg.replace(train_steps=20, log_every=10))
+
+
+def test_the_attention_kernel_may_change_on_resumption(cfg):
+  # The same parameters and function; checkpoints written before the field
+  # existed resume too.
+  saved = dataclasses.asdict(cfg)
+  fused = cfg.replace(attention_implementation='xla')
+  assert ckpt.config_differences(saved, fused) == []
+  del saved['attention_implementation']
+  assert ckpt.config_differences(saved, cfg) == []
 
 
 def test_fresh_sets_old_checkpoints_aside(tmp_path, cfg):

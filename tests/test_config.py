@@ -39,6 +39,10 @@ def test_override_parses_strings_by_field_type():
     ({'pre_norm': 'maybe'}, '--pre_norm'),
     ({'d_model': 'wide'}, '--d_model'),
     ({'tgt_vocab_size': '12'}, '--share_embeddings'),
+    ({'attention_implementation': 'flash'}, 'explicit, xla, cudnn'),
+    ({'attention_implementation': 'cudnn'}, '--dtype=bfloat16'),
+    ({'attention_implementation': 'xla', 'attention_dropout_rate': '0.1'},
+     '--attention_dropout_rate=0'),
 ])
 def test_bad_values_name_the_field(overrides, names):
   with pytest.raises(config_lib.ConfigError, match=names):
