@@ -94,11 +94,11 @@ def fused_attention(query, key, value, key_lengths, causal: bool,
                     implementation: str):
   """softmax(Q K^T / sqrt(d_k)) V as one call of jax.nn.dot_product_attention.
 
-  The function scaled_dot_product_attention computes, for the masks this
-  model makes, taken in the form fused kernels want: how many keys of each
-  item are real (its padding comes after them) and whether query i sees only
-  keys j <= i. The scores and weights are never formed, so none are returned:
-  on a GPU, 'cudnn' (flash attention) keeps them out of memory altogether.
+  What scaled_dot_product_attention computes for this model's masks, with
+  the masks given as fused kernels take them: how many keys of each item are
+  real (its padding comes after them), and whether query i sees only keys
+  j <= i. No scores or weights are returned: on a GPU, 'cudnn' (flash
+  attention) never writes them to memory.
 
   Args:
     query: [batch, q_len, heads, d_k] (length before heads: the kernels'
