@@ -41,7 +41,7 @@ fused_attention are options, off by default (`kept` says 'option').
   traced).
 - donated_state: the training step donates its input state (buffers reused
   in place), against a step that does not.
-- fused_attention: the `small` training step (64 x 32, whatever --config)
+- fused_attention: the training step (batch 64 x 32, the --config model)
   with attention through jax.nn.dot_product_attention
   (config.attention_implementation='xla', an option; 'cudnn' needs a GPU)
   against the explicit products, softmax and masks.

@@ -106,7 +106,10 @@ def test_multi_head_attention_equals_per_head_attention_then_concat_and_wo():
 
 
 def _padded_batch(cfg):
-  """Two pairs cut short by trailing pad, one full pair and one of one token."""
+  """Four pairs padded at the end at different lengths, or not at all.
+
+  Sources: 5, 9, 9 and 1 real tokens; targets in: 7, 5, 3 and 7.
+  """
   rng = np.random.default_rng(0)
   src = rng.integers(3, cfg.src_vocab_size, (4, 9))
   src[0, 5:] = cfg.pad_id
@@ -172,7 +175,7 @@ def test_collecting_intermediates_takes_the_explicit_path():
   # The tour and the plots read the attention weights, which fused kernels
   # never form.
   cfg = get_config('toy').replace(attention_implementation='xla')
-  batch = _padded_batch(cfg.replace(src_vocab_size=11, tgt_vocab_size=11))
+  batch = _padded_batch(cfg)
   model = Transformer(cfg)
   params = init_params(cfg, jax.random.key(0))
   _, state = model.apply({'params': params}, batch.src, batch.tgt_in,
