@@ -20,8 +20,13 @@ TrainState = flax.training.train_state.TrainState
 
 
 def init_params(config: TransformerConfig, rng):
-  """Random parameters of Transformer(config); no shape depends on lengths."""
+  """Random parameters of Transformer(config); no shape depends on lengths.
+
+  Nor on how attention is computed, so the explicit path makes them: it runs
+  on any backend and batch (cuDNN's fused kernel needs a GPU).
+  """
   ids = jnp.full((1, 1), config.bos_id, jnp.int32)
+  config = config.replace(attention_implementation='explicit')
   return Transformer(config).init(
       rng, ids, ids, padding_mask(ids, config.pad_id), causal_mask(1))['params']
 
@@ -33,11 +38,12 @@ def create_train_state(config: TransformerConfig, rng) -> TrainState:
                            tx=make_optimizer(config))
 
 
-def _loss_and_metrics(params, apply_fn, batch: Batch, config: TransformerConfig,
+def _loss_and_metrics(params, batch: Batch, config: TransformerConfig,
                       deterministic: bool, dropout_rng=None):
-  logits = apply_fn({'params': params}, batch.src, batch.tgt_in,
-                    batch.src_mask, batch.tgt_mask, deterministic=deterministic,
-                    rngs=None if deterministic else {'dropout': dropout_rng})
+  logits = Transformer(config).apply(
+      {'params': params}, batch.src, batch.tgt_in, batch.src_mask,
+      batch.tgt_mask, deterministic=deterministic,
+      rngs=None if deterministic else {'dropout': dropout_rng})
   loss_sum, ntokens = losses.label_smoothed_kl(
       logits, batch.tgt_out, config.label_smoothing, config.pad_id)
   metrics = {'loss_sum': loss_sum, 'ntokens': ntokens,
@@ -51,7 +57,8 @@ def train_step(state: TrainState, batch: Batch, rng,
   """One optimizer update on the mean loss per real target token.
 
   Args:
-    state: the TrainState (params, optimizer state, step).
+    state: the TrainState (params, optimizer state, step). The model is
+      Transformer(config), as in eval_step, whatever state.apply_fn holds.
     batch: a Batch of [batch, len] arrays (this device's share of the global
       batch when mapped over devices).
     rng: the run's base PRNG key; the dropout key of this step is derived from
@@ -71,7 +78,7 @@ def train_step(state: TrainState, batch: Batch, rng,
     dropout_rng = jax.random.fold_in(dropout_rng,
                                      jax.lax.axis_index(axis_name))
   grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
-      state.params, state.apply_fn, batch, config, False, dropout_rng)
+      state.params, batch, config, False, dropout_rng)
   if axis_name is not None:
     grads, metrics = jax.lax.psum((grads, metrics), axis_name)
   # Gradient of the summed loss / tokens = gradient of the per-token mean.
@@ -88,8 +95,7 @@ def eval_step(params, batch: Batch, config: TransformerConfig,
   Rows of all pad contribute nothing, so a batch can be padded to divide over
   devices without changing the result.
   """
-  _, metrics = _loss_and_metrics(params, Transformer(config).apply, batch,
-                                 config, True)
+  _, metrics = _loss_and_metrics(params, batch, config, True)
   if axis_name is not None:
     metrics = jax.lax.psum(metrics, axis_name)
   return metrics
