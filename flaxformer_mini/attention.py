@@ -111,9 +111,28 @@ def fused_attention(query, key, value, key_lengths, causal: bool,
   Returns:
     [batch, q_len, heads, d_k].
   """
-  return jax.nn.dot_product_attention(
+  q_len = query.shape[1]
+  if implementation == 'cudnn':
+    query, key, value, key_lengths = pad_to_even_lengths(query, key, value,
+                                                         key_lengths)
+  output = jax.nn.dot_product_attention(
       query, key, value, is_causal=causal,
       key_value_seq_lengths=key_lengths, implementation=implementation)
+  return output[:, :q_len]
+
+
+def pad_to_even_lengths(query, key, value, key_lengths):
+  """One more position where a length is odd, which cuDNN's path can take.
+
+  JAX's cuDNN attention refuses odd query or key lengths in training (its
+  check counts a bias even where none is given). The added key is padding,
+  left out by key_lengths (made explicit if None); the added query's output
+  is cut off by the caller. Shapes as fused_attention's, lengths rounded up.
+  """
+  to_even = lambda x: jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0)))
+  if key_lengths is None:
+    key_lengths = jnp.full((key.shape[0],), key.shape[1], jnp.int32)
+  return to_even(query), to_even(key), to_even(value), key_lengths
 
 
 def check_backend(config: TransformerConfig) -> None:

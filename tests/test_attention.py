@@ -1,3 +1,7 @@
+import collections
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,14 +10,14 @@ import pytest
 from flaxformer_mini.attention import (MultiHeadAttention,
                                        attention_shared_by_groups,
                                        check_backend, key_lengths,
-                                       merge_heads,
+                                       merge_heads, pad_to_even_lengths,
                                        scaled_dot_product_attention,
                                        split_heads)
 from flaxformer_mini.config import get_config
 from flaxformer_mini.losses import label_smoothed_kl
 from flaxformer_mini.masks import causal_mask, make_batch
 from flaxformer_mini.model import Transformer
-from flaxformer_mini.training import init_params
+from flaxformer_mini.training import create_train_state, init_params, train_step
 
 
 def _random_qkv(batch=2, heads=3, q_len=4, k_len=5, d_k=6):
@@ -195,3 +199,48 @@ def test_cudnn_attention_elsewhere_is_refused_before_compiling():
   with pytest.raises(ValueError, match='needs an NVIDIA GPU.*xla'):
     check_backend(cfg)
   check_backend(cfg.replace(attention_implementation='xla'))
+
+
+@pytest.mark.parametrize('q_len, k_len, causal, lengths', [
+    (5, 7, False, None), (5, 7, False, [3, 7]), (5, 5, True, [5, 2])])
+def test_padding_to_even_lengths_changes_no_real_output(q_len, k_len, causal,
+                                                        lengths):
+  # What cuDNN is given where a length is odd, run by XLA on both.
+  q, k, v = (x.transpose(0, 2, 1, 3)
+             for x in _random_qkv(q_len=q_len, k_len=k_len))
+  key_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
+  padded = pad_to_even_lengths(q, k, v, key_lengths)
+  assert [x.shape[1] for x in padded[:3]] == [q_len + 1, k_len + k_len % 2,
+                                              k_len + k_len % 2]
+  attend = lambda q, k, v, n: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, key_value_seq_lengths=n,
+      implementation='xla')
+  np.testing.assert_allclose(attend(*padded)[:, :q_len],
+                             attend(q, k, v, key_lengths), rtol=1e-6,
+                             atol=1e-6)
+
+
+def test_cudnn_attention_lowers_every_block_to_the_fused_kernel():
+  """The training step lowered for a GPU, on any host where cuDNN is installed.
+
+  Forward and backward, every attention block is one call of cuDNN's flash
+  attention, the padding given as key counts, and causal as well in the
+  decoder's self-attention.
+  """
+  cfg = get_config('toy').replace(d_model=32, num_heads=4, dtype='bfloat16',
+                                  attention_implementation='cudnn')
+  state = create_train_state(cfg, jax.random.key(0))
+  step = jax.jit(functools.partial(train_step, config=cfg))
+  try:
+    text = step.trace(state, _padded_batch(cfg), jax.random.key(1)).lower(
+        lowering_platforms=('cuda',)).as_text()
+  except RuntimeError as e:
+    if 'cuDNN is not detected' not in str(e):
+      raise
+    pytest.skip('cuDNN is not installed (pip install "jax[cuda12]"), so the '
+                'step cannot be lowered for a GPU here.')
+  kernels = collections.Counter(re.findall(r'__cudnn\$fmhaSoftmax\w*', text))
+  assert kernels == {'__cudnn$fmhaSoftmax': 6,
+                     '__cudnn$fmhaSoftmaxBackward': 6}
+  masks = collections.Counter(re.findall(r'mask_type[^A-Z]*([A-Z_]+)', text))
+  assert masks == {'PADDING': 8, 'PADDING_CAUSAL': 4}
