@@ -113,26 +113,32 @@ def fused_attention(query, key, value, key_lengths, causal: bool,
   """
   q_len = query.shape[1]
   if implementation == 'cudnn':
-    query, key, value, key_lengths = pad_to_even_lengths(query, key, value,
-                                                         key_lengths)
+    query, key, value, key_lengths = cudnn_operands(query, key, value,
+                                                    key_lengths)
   output = jax.nn.dot_product_attention(
       query, key, value, is_causal=causal,
       key_value_seq_lengths=key_lengths, implementation=implementation)
   return output[:, :q_len]
 
 
-def pad_to_even_lengths(query, key, value, key_lengths):
-  """One more position where a length is odd, which cuDNN's path can take.
+def cudnn_operands(query, key, value, key_lengths):
+  """The same attention in a form JAX's cuDNN path takes in training.
 
-  JAX's cuDNN attention refuses odd query or key lengths in training (its
-  check counts a bias even where none is given). The added key is padding,
-  left out by key_lengths (made explicit if None); the added query's output
-  is cut off by the caller. Shapes as fused_attention's, lengths rounded up.
+  It refuses odd query or key lengths (its check counts a bias even where
+  none is given), so an odd length gets one more position: the added key is
+  padding, left out by the key counts, and the added query's output is cut
+  off by the caller. And a row of all pad (batches are topped up with them)
+  keeps one key: with none its softmax has nothing to normalise, and a NaN
+  from it would reach the weights' gradients though no loss reads the row.
+
+  Shapes as fused_attention's, lengths rounded up to even; key_lengths ->
+  int32[batch], each at least 1 (made explicit where None).
   """
   to_even = lambda x: jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0)))
   if key_lengths is None:
     key_lengths = jnp.full((key.shape[0],), key.shape[1], jnp.int32)
-  return to_even(query), to_even(key), to_even(value), key_lengths
+  return (to_even(query), to_even(key), to_even(value),
+          jnp.maximum(key_lengths, 1))
 
 
 def check_backend(config: TransformerConfig) -> None:

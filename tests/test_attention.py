@@ -10,7 +10,7 @@ import pytest
 from flaxformer_mini.attention import (MultiHeadAttention,
                                        attention_shared_by_groups,
                                        check_backend, key_lengths,
-                                       merge_heads, pad_to_even_lengths,
+                                       cudnn_operands, merge_heads,
                                        scaled_dot_product_attention,
                                        split_heads)
 from flaxformer_mini.config import get_config
@@ -202,22 +202,26 @@ def test_cudnn_attention_elsewhere_is_refused_before_compiling():
 
 
 @pytest.mark.parametrize('q_len, k_len, causal, lengths', [
-    (5, 7, False, None), (5, 7, False, [3, 7]), (5, 5, True, [5, 2])])
-def test_padding_to_even_lengths_changes_no_real_output(q_len, k_len, causal,
-                                                        lengths):
-  # What cuDNN is given where a length is odd, run by XLA on both.
+    (5, 7, False, None), (5, 7, False, [3, 0]), (5, 5, True, [5, 2])])
+def test_cudnn_operands_change_no_real_output(q_len, k_len, causal, lengths):
+  # What cuDNN is given (odd lengths made even, no row without keys), run by
+  # XLA: the same outputs wherever a row has a real key.
   q, k, v = (x.transpose(0, 2, 1, 3)
              for x in _random_qkv(q_len=q_len, k_len=k_len))
   key_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
-  padded = pad_to_even_lengths(q, k, v, key_lengths)
-  assert [x.shape[1] for x in padded[:3]] == [q_len + 1, k_len + k_len % 2,
-                                              k_len + k_len % 2]
+  operands = cudnn_operands(q, k, v, key_lengths)
+  even = k_len + k_len % 2
+  assert [x.shape[1] for x in operands[:3]] == [q_len + 1, even, even]
+  assert np.all(np.asarray(operands[3]) >= 1)
   attend = lambda q, k, v, n: jax.nn.dot_product_attention(
       q, k, v, is_causal=causal, key_value_seq_lengths=n,
       implementation='xla')
-  np.testing.assert_allclose(attend(*padded)[:, :q_len],
-                             attend(q, k, v, key_lengths), rtol=1e-6,
-                             atol=1e-6)
+  got = np.asarray(attend(*operands)[:, :q_len])
+  expected = np.asarray(attend(q, k, v, key_lengths))
+  rows_with_keys = [n != 0 for n in (lengths or [k_len] * 2)]
+  np.testing.assert_allclose(got[rows_with_keys], expected[rows_with_keys],
+                             rtol=1e-6, atol=1e-6)
+  assert np.all(np.isfinite(got))
 
 
 def test_cudnn_attention_lowers_every_block_to_the_fused_kernel():
