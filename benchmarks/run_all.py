@@ -185,25 +185,23 @@ def cpu_suite(peak: dict) -> Iterator[dict]:
 
 
 def accelerator_suite(peak: dict) -> Iterator[dict]:
-  for dtype, batch in (('bfloat16', None), ('bfloat16', ACCELERATOR_BATCH),
-                       ('float32', ACCELERATOR_BATCH)):
-    flags = ['--config=base', f'--dtype={dtype}',
-             f"--peak_gflops={peak['peak_gflops'][dtype]}"]
-    if batch:
-      flags.append(f'--batch={batch}')
-    if dtype == 'float32':  # the baseline's bfloat16 rows are the comparison
-      flags.append('--no_baseline')
-    yield run('train_step.py', *flags)
+  def base_step(dtype: str, *flags: str) -> dict:
+    return run('train_step.py', '--config=base', f'--dtype={dtype}',
+               f"--peak_gflops={peak['peak_gflops'][dtype]}", *flags)
+
+  batch = f'--batch={ACCELERATOR_BATCH}'
+  yield base_step('bfloat16')
+  yield base_step('bfloat16', batch)
+  # The baseline's bfloat16 rows are the comparison.
+  yield base_step('float32', batch, '--no_baseline')
   yield run('decode.py', '--config=base', '--dtype=bfloat16',
             '--beam', '1', '4')
   yield run('copy_task.py')
   if peak['environment']['backend'] == 'gpu':
     # cuDNN's fused attention, against the bfloat16 step at the same batch;
     # last, so that the rest is measured even where cuDNN refuses the shapes.
-    yield run('train_step.py', '--config=base', '--dtype=bfloat16',
-              f"--peak_gflops={peak['peak_gflops']['bfloat16']}",
-              f'--batch={ACCELERATOR_BATCH}',
-              '--attention_implementation=cudnn', '--no_baseline')
+    yield base_step('bfloat16', batch, '--attention_implementation=cudnn',
+                    '--no_baseline')
 
 
 SUITES = {'cpu': cpu_suite, 'accelerator': accelerator_suite}
