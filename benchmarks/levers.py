@@ -53,6 +53,22 @@ fused_attention are options, off by default (`kept` says 'option').
   step seconds.
 - compilation_cache: `train.py --task=copy` wall time with a warm persistent
   compilation cache against a cold one (separate processes).
+- metrics_on_device: the copy task's training loop (its preset's real
+  step, 50 steps) keeping each step's metrics on the device and fetching them
+  all at the end, as experiment.train does at every log, against fetching
+  every step's metrics as it ends (the host then waits for each step before
+  it makes the next batch).
+- batches_during_step: the same loop making and placing each batch while the
+  step before it runs (JAX's asynchronous dispatch), against waiting for each
+  step to finish first; metrics stay on the device in both.
+- bounded_shapes: one epoch of Multi30k de-en under the translate preset (a
+  SentencePiece vocabulary trained here, as train.py trains it) in length
+  buckets (data.batching.TokenBatches), against the same sentences shuffled
+  into batches of as many sentences each, every batch padded to its own
+  longest pair: the compile seconds of the epoch's distinct batch shapes,
+  their count times the median time to compile the translate step at three
+  of the bucket shapes. The JSON adds the shape counts and the padded tokens
+  of both. Needs the Multi30k files (--data_dir); not run without them.
 - keep_freed_memory: the training step (batch 64 x 32 on `small`, 16 x 64 on
   `base`) in a process whose malloc keeps freed memory for reuse
   (host_memory.keep_freed_memory, as train.py and these benchmarks run),
@@ -75,8 +91,11 @@ import numpy as np
 
 from flaxformer_mini import decoding, embeddings, linear, losses
 from flaxformer_mini.config import get_config
+from flaxformer_mini.data import batching, copy_task, parallel_text
+from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
+from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state, train_step
 
 import common
@@ -84,6 +103,8 @@ import decode as decode_bench
 import train_step as train_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where CI keeps the real data: ../shared/data/multi30k beside the project.
+MULTI30K = os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')
 
 
 def compare(with_lever, without_lever, repeats: int) -> dict:
@@ -345,6 +366,106 @@ def compilation_cache(repeats):
   return {'with_s': warm, 'without_s': cold, 'speedup': cold / warm}
 
 
+def _copy_training_loop(steps: int, wait: str):
+  """A blocking run of `steps` copy-task training steps, made as in
+  experiment.train: each step dispatched with its batch, metrics kept.
+
+  wait: what follows each dispatch: 'nothing' (every step's metrics fetched
+  at the end, as at a log), 'fetch' (the step's metrics fetched at once) or
+  'block' (the step waited for; metrics fetched at the end).
+  """
+  config = get_config('copy')
+  parallel = DataParallel(config, config.parallel)
+  rng = jax.random.key(1)
+  first = parallel.put_state(create_train_state(config, jax.random.key(0)))
+
+  def run():
+    state = jax.tree.map(jnp.copy, first)  # the step donates what it gets
+    pending = []
+    for step in range(steps):
+      state, metrics = parallel.train_step(
+          state, parallel.put_batch(copy_task.train_batch(config, step)), rng)
+      if wait == 'fetch':
+        metrics = parallel.fetch(metrics)
+      elif wait == 'block':
+        jax.block_until_ready(state)
+      pending.append(metrics)
+    if wait != 'fetch':
+      pending = [parallel.fetch(m) for m in pending]
+    jax.block_until_ready(state)
+  return run
+
+
+def metrics_on_device(repeats: int) -> dict:
+  return compare(_copy_training_loop(50, 'nothing'),
+                 _copy_training_loop(50, 'fetch'), repeats)
+
+
+def batches_during_step(repeats: int) -> dict:
+  return compare(_copy_training_loop(50, 'nothing'),
+                 _copy_training_loop(50, 'block'), repeats)
+
+
+def _multi30k_train_pairs(data_dir: str, config) -> batching.Filtered:
+  """Multi30k's de-en training pairs as ids of a vocabulary trained here."""
+  paths = parallel_text.local_split_files(
+      data_dir, (config.src_lang, config.tgt_lang))['train']
+
+  def lines(path):
+    with parallel_text.open_text(path) as f:
+      return [line.rstrip('\n') for line in f]
+
+  src, tgt = (lines(path) for path in paths)
+  with tempfile.TemporaryDirectory() as vocab_dir:
+    tokenizer = spm_lib.train_tokenizer(src + tgt,
+                                        os.path.join(vocab_dir, 'spm'), config)
+  encode = lambda lines: [np.asarray(ids, np.int32)
+                          for ids in tokenizer.encode(lines)]
+  return batching.filter_pairs(encode(src), encode(tgt), config.max_len)
+
+
+def bounded_shapes(data_dir: str) -> dict:
+  if not os.path.isdir(data_dir):
+    return {'not_run': f'--data_dir={data_dir}: no such directory (the '
+                       'Multi30k task-1 raw files)'}
+  config = get_config('translate')
+  pairs = _multi30k_train_pairs(data_dir, config)
+  buckets = batching.TokenBatches(pairs.src, pairs.tgt, config,
+                                  config.tokens_per_batch)
+  plan = buckets.epoch_batches()
+  bucketed = {length: (buckets.rows[buckets.buckets.index(length)], members)
+              for length, members in plan}
+  # The alternative: as many batches, of as many sentences each, in random
+  # order, each padded to its own longest pair (+ eos, as TokenBatches).
+  lengths = np.array([max(len(s), len(t)) + 1
+                      for s, t in zip(pairs.src, pairs.tgt)])
+  rows = -(-len(lengths) // len(plan))
+  order = np.random.default_rng(config.seed).permutation(len(lengths))
+  own = [(len(group), int(lengths[group].max()))
+         for group in np.array_split(order, range(rows, len(order), rows))]
+
+  parallel = DataParallel(config, config.parallel)
+  state = parallel.put_state(create_train_state(config, jax.random.key(0)))
+  compile_s = []
+  for length in sorted(bucketed)[::max(1, len(bucketed) // 2)][:3]:
+    batch_rows, members = bucketed[length]
+    batch = parallel.put_batch(buckets.make(members, length, batch_rows))
+    start = time.perf_counter()
+    parallel.train_step.lower(state, batch, jax.random.key(1)).compile()
+    compile_s.append(time.perf_counter() - start)
+  per_shape = float(np.median(compile_s))
+  shapes = {'with': len(buckets.shapes()), 'without': len(set(own))}
+  return {'with_s': shapes['with'] * per_shape,
+          'without_s': shapes['without'] * per_shape,
+          'speedup': shapes['without'] / shapes['with'],
+          'compile_s_per_shape': per_shape, 'shapes': shapes,
+          'real_tokens': int(lengths.sum()),
+          'padded_tokens': {
+              'with': sum(buckets.rows[buckets.buckets.index(length)] * length
+                          for length, _ in plan),
+              'without': sum(n * length for n, length in own)}}
+
+
 # Best-of-`repeats` training-step seconds in a fresh process, malloc kept or
 # not (argv: with|without, config name, batch, length, repeats); it must not
 # import benchmarks/common.py, which keeps freed memory on import.
@@ -393,6 +514,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='small', choices=['small', 'base'])
   parser.add_argument('--repeats', type=int, default=15)
+  parser.add_argument('--data_dir', default=MULTI30K,
+                      help='Multi30k task-1 raw files, for bounded_shapes')
   args = parser.parse_args()
   config = get_config(args.config).replace(dropout_rate=0.1, max_len=64)
   levers = {
@@ -420,6 +543,12 @@ def main():
     results[name] = {**result, 'kept': 'option'}
   results['keep_freed_memory'] = {
       **keep_freed_memory(args.config, args.repeats), 'kept': True}
+  loop_repeats = max(3, args.repeats // 3)
+  results['metrics_on_device'] = {**metrics_on_device(loop_repeats),
+                                  'kept': True}
+  results['batches_during_step'] = {**batches_during_step(loop_repeats),
+                                    'kept': True}
+  results['bounded_shapes'] = {**bounded_shapes(args.data_dir), 'kept': True}
   common.emit({'benchmark': 'levers', 'config': args.config,
                'levers': results})
 

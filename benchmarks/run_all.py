@@ -106,6 +106,9 @@ def table(results: list[dict]) -> str:
       lines += ['', '| lever | with s | without s | speed-up | kept |',
                 '|---|---:|---:|---:|---|']
       for name, lever in r['levers'].items():
+        if 'not_run' in lever:
+          lines.append(f"| {name} | not run: {lever['not_run']} | | | |")
+          continue
         lines.append(f"| {name} | {lever['with_s']:.4f} | "
                      f"{lever['without_s']:.4f} | {lever['speedup']:.2f}x | "
                      f"{_kept(lever['kept'])} |")

@@ -25,7 +25,8 @@ from flaxformer_mini.data import DataError
 _SPLIT_NAMES = {'train': 'train', 'val': 'validation'}
 
 
-def _open_text(path: str):
+def open_text(path: str):
+  """A text file, gzipped or plain, opened for reading as UTF-8."""
   opener = gzip.open if path.endswith('.gz') else open
   return opener(path, 'rt', encoding='utf-8')
 
@@ -60,7 +61,7 @@ def local_split_files(directory: str, languages: tuple[str, str]) -> dict[
                       f'({prefix}.{missing}[.gz]).')
     counts = []
     for path in paths:
-      with _open_text(path) as f:
+      with open_text(path) as f:
         counts.append(sum(1 for _ in f))
     if counts[0] != counts[1]:
       raise DataError(
@@ -101,7 +102,7 @@ class LocalParallelText(tfds.core.GeneratorBasedBuilder):
             for split, paths in self._files.items()}
 
   def _generate_examples(self, paths):
-    with _open_text(paths[0]) as first, _open_text(paths[1]) as second:
+    with open_text(paths[0]) as first, open_text(paths[1]) as second:
       for index, (a, b) in enumerate(zip(first, second)):
         yield index, {self._languages[0]: a.strip(),
                       self._languages[1]: b.strip()}
