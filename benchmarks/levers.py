@@ -419,8 +419,8 @@ def _multi30k_train_pairs(data_dir: str, config) -> batching.Filtered:
   with tempfile.TemporaryDirectory() as vocab_dir:
     tokenizer = spm_lib.train_tokenizer(src + tgt,
                                         os.path.join(vocab_dir, 'spm'), config)
-  encode = lambda lines: [np.asarray(ids, np.int32)
-                          for ids in tokenizer.encode(lines)]
+  encode = lambda texts: [np.asarray(ids, np.int32)
+                          for ids in tokenizer.encode(texts)]
   return batching.filter_pairs(encode(src), encode(tgt), config.max_len)
 
 
@@ -433,6 +433,7 @@ def bounded_shapes(data_dir: str) -> dict:
   buckets = batching.TokenBatches(pairs.src, pairs.tgt, config,
                                   config.tokens_per_batch)
   plan = buckets.epoch_batches()
+  # One batch of each bucket length (its rows, its sentences), to compile.
   bucketed = {length: (buckets.rows[buckets.buckets.index(length)], members)
               for length, members in plan}
   # The alternative: as many batches, of as many sentences each, in random
