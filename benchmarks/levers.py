@@ -433,9 +433,8 @@ def bounded_shapes(data_dir: str) -> dict:
   buckets = batching.TokenBatches(pairs.src, pairs.tgt, config,
                                   config.tokens_per_batch)
   plan = buckets.epoch_batches()
-  # One batch of each bucket length (its rows, its sentences), to compile.
-  bucketed = {length: (buckets.rows[buckets.buckets.index(length)], members)
-              for length, members in plan}
+  # One batch's sentences of each bucket length, to compile.
+  bucketed = dict(plan)
   # The alternative: as many batches, of as many sentences each, in random
   # order, each padded to its own longest pair (+ eos, as TokenBatches).
   lengths = np.array([max(len(s), len(t)) + 1
@@ -449,8 +448,8 @@ def bounded_shapes(data_dir: str) -> dict:
   state = parallel.put_state(create_train_state(config, jax.random.key(0)))
   compile_s = []
   for length in sorted(bucketed)[::max(1, len(bucketed) // 2)][:3]:
-    batch_rows, members = bucketed[length]
-    batch = parallel.put_batch(buckets.make(members, length, batch_rows))
+    batch = parallel.put_batch(buckets.make(bucketed[length], length,
+                                            buckets.rows_of(length)))
     start = time.perf_counter()
     parallel.train_step.lower(state, batch, jax.random.key(1)).compile()
     compile_s.append(time.perf_counter() - start)
@@ -462,7 +461,7 @@ def bounded_shapes(data_dir: str) -> dict:
           'compile_s_per_shape': per_shape, 'shapes': shapes,
           'real_tokens': int(lengths.sum()),
           'padded_tokens': {
-              'with': sum(buckets.rows[buckets.buckets.index(length)] * length
+              'with': sum(buckets.rows_of(length) * length
                           for length, _ in plan),
               'without': sum(n * length for n, length in own)}}
 

@@ -406,9 +406,8 @@ def run_translate(config: TransformerConfig, workdir: str, start_time: float,
   val_batches = batching.TokenBatches(
       val_pairs.src, val_pairs.tgt, config, config.tokens_per_batch, rows,
       shuffle=False)
-  held_out = [val_batches.make(members, length, val_batches.rows[
-      val_batches.buckets.index(length)]) for length, members in
-              val_batches.epoch_batches()]
+  held_out = [val_batches.make(members, length, val_batches.rows_of(length))
+              for length, members in val_batches.epoch_batches()]
   print(f'train: {len(train_pairs.src)} pairs in {train_batches.per_epoch} '
         f'batches per epoch ({len(train_batches.shapes())} shapes); skipped '
         f'{train_pairs.empty} empty and {train_pairs.too_long} longer than '

@@ -96,7 +96,7 @@ def test_token_batches_respect_the_budget_and_cover_each_example_once():
   for step in range(batches.per_epoch):
     batch = batches.batch_at(step)
     rows, length = batch.src.shape
-    assert rows % 8 == 0
+    assert rows % 8 == 0 and rows == batches.rows_of(length)
     assert rows * length <= 1000 and rows * batch.tgt_in.shape[1] <= 1000
     real = np.asarray(batch.src != config.pad_id).sum()
     assert real <= rows * length

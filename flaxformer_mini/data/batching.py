@@ -89,6 +89,10 @@ class TokenBatches:
       self.rows[index] = rows
     self.per_epoch = len(self._plan(0))
 
+  def rows_of(self, length: int) -> int:
+    """Rows of every batch whose sentences are padded to `length`."""
+    return self.rows[self.buckets.index(length)]
+
   def shapes(self) -> set[tuple[int, int]]:
     """The distinct (rows, length) batch shapes that can occur."""
     return {(self.rows[b], self.buckets[b]) for b in set(self.bucket_of)}
