@@ -1,6 +1,7 @@
 """What each speed lever buys: every one measured on and off, in one process.
 
   python benchmarks/levers.py [--config small]
+  python benchmarks/levers.py --only donated_state metrics_on_device
 
 Each lever is timed against its alternative on the same inputs, the two
 interleaved, and reported as `speedup` = time without the lever / time with
@@ -40,7 +41,10 @@ fused_attention are options, off by default (`kept` says 'option').
   product contracted over the tokens (jax.lax.dot_general while the step is
   traced).
 - donated_state: the training step donates its input state (buffers reused
-  in place), against a step that does not.
+  in place), against a step that does not. The JSON adds `memory_mb`, what
+  XLA's buffer assignment gives each compiled step to hold at once:
+  arguments + outputs - the outputs written into donated arguments +
+  temporaries.
 - fused_attention: the training step (batch 64 x 32, the --config model)
   with attention through jax.nn.dot_product_attention
   (config.attention_implementation='xla', an option; 'cudnn' needs a GPU)
@@ -299,11 +303,25 @@ def donated_state(config, repeats):
   config, host = _one_batch('small', config)
   rng = jax.random.key(1)
   step = functools.partial(train_step, config=config)
+  jitted = {'with': jax.jit(step, donate_argnums=0), 'without': jax.jit(step)}
+  # Each run gets its own state: the donating step consumes what it is given.
   donating, copying = (
-      train_bench.blocking_run(jitted, create_train_state(
+      train_bench.blocking_run(jitted[name], create_train_state(
           config, jax.random.key(0)), [host], rng, compile_s=None)['advance']
-      for jitted in (jax.jit(step, donate_argnums=0), jax.jit(step)))
-  return compare(donating, copying, repeats)
+      for name in ('with', 'without'))
+  shapes = jax.eval_shape(functools.partial(create_train_state, config),
+                          jax.random.key(0))
+  return {**compare(donating, copying, repeats),
+          'memory_mb': {name: _held_mb(run.lower(shapes, host, rng).compile())
+                        for name, run in jitted.items()}}
+
+
+def _held_mb(compiled) -> float:
+  """MiB a compiled program's buffers take at once, by XLA's assignment."""
+  memory = compiled.memory_analysis()
+  held = (memory.argument_size_in_bytes + memory.output_size_in_bytes -
+          memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  return held / 2**20
 
 
 def fused_attention(config, repeats):
@@ -340,12 +358,11 @@ def scan_layers(repeats) -> dict:
   for name, scan in (('with', True), ('without', False)):
     steps[name], compile_s[name] = _blocking_train_step(
         config.replace(scan_layers=scan), host, rng)
-  step = compare(steps['with'], steps['without'], repeats)
   return {
-      'scan_layers_compile': {
+      'compile': {
           'with_s': compile_s['with'], 'without_s': compile_s['without'],
           'speedup': compile_s['without'] / compile_s['with']},
-      'scan_layers_step': step}
+      'step': compare(steps['with'], steps['without'], repeats)}
 
 
 def compilation_cache(repeats):
@@ -516,39 +533,49 @@ def main():
   parser.add_argument('--repeats', type=int, default=15)
   parser.add_argument('--data_dir', default=MULTI30K,
                       help='Multi30k task-1 raw files, for bounded_shapes')
+  parser.add_argument('--only', nargs='+', metavar='LEVER',
+                      help='measure these levers alone (names as in the '
+                      'list above)')
   args = parser.parse_args()
   config = get_config(args.config).replace(dropout_rate=0.1, max_len=64)
+  # Whole training steps and loops take longer per run: fewer repeats.
+  few = max(3, args.repeats // 3)
+  scanned = functools.cache(lambda: scan_layers(few))  # one run, two levers
   levers = {
-      'cross_attention_memory': (cross_attention_memory, True),
-      'beams_share_memory': (beams_share_memory, True),
-      'two_stage_top_k': (two_stage_top_k, False),
-      'two_reduction_argmax': (two_reduction_argmax, True),
-      'closed_form_loss': (closed_form_loss, True),
-      'tied_logits_vjp': (tied_logits_vjp, True),
-      'donated_state': (donated_state, True),
-      'fused_qkv': (fused_qkv, False),
+      'cross_attention_memory':
+          (lambda: cross_attention_memory(config, args.repeats), True),
+      'beams_share_memory':
+          (lambda: beams_share_memory(config, args.repeats), True),
+      'two_stage_top_k': (lambda: two_stage_top_k(config, args.repeats),
+                          False),
+      'two_reduction_argmax':
+          (lambda: two_reduction_argmax(config, args.repeats), True),
+      'closed_form_loss': (lambda: closed_form_loss(config, args.repeats),
+                           True),
+      'tied_logits_vjp': (lambda: tied_logits_vjp(config, args.repeats),
+                          True),
+      'donated_state': (lambda: donated_state(config, args.repeats), True),
+      'fused_qkv': (lambda: fused_qkv(config, args.repeats), False),
+      'dense_weight_gradient':
+          (lambda: dense_weight_gradient(args.config, few), True),
+      'table_major_logits': (lambda: table_major_logits(few), True),
+      'compilation_cache': (lambda: compilation_cache(args.repeats), True),
+      'fused_attention': (lambda: fused_attention(config, few), 'option'),
+      'scan_layers_compile': (lambda: scanned()['compile'], 'option'),
+      'scan_layers_step': (lambda: scanned()['step'], 'option'),
+      'keep_freed_memory':
+          (lambda: keep_freed_memory(args.config, args.repeats), True),
+      'metrics_on_device': (lambda: metrics_on_device(few), True),
+      'batches_during_step': (lambda: batches_during_step(few), True),
+      'bounded_shapes': (lambda: bounded_shapes(args.data_dir), True),
   }
-  results = {name: {**measure(config, args.repeats), 'kept': kept}
-             for name, (measure, kept) in levers.items()}
-  results['dense_weight_gradient'] = {
-      **dense_weight_gradient(args.config, max(3, args.repeats // 3)),
-      'kept': True}
-  results['table_major_logits'] = {
-      **table_major_logits(max(3, args.repeats // 3)), 'kept': True}
-  results['compilation_cache'] = {**compilation_cache(args.repeats),
-                                  'kept': True}
-  results['fused_attention'] = {
-      **fused_attention(config, max(3, args.repeats // 3)), 'kept': 'option'}
-  for name, result in scan_layers(max(3, args.repeats // 3)).items():
-    results[name] = {**result, 'kept': 'option'}
-  results['keep_freed_memory'] = {
-      **keep_freed_memory(args.config, args.repeats), 'kept': True}
-  loop_repeats = max(3, args.repeats // 3)
-  results['metrics_on_device'] = {**metrics_on_device(loop_repeats),
-                                  'kept': True}
-  results['batches_during_step'] = {**batches_during_step(loop_repeats),
-                                    'kept': True}
-  results['bounded_shapes'] = {**bounded_shapes(args.data_dir), 'kept': True}
+  unknown = sorted(set(args.only or ()) - set(levers))
+  if unknown:
+    parser.error(f"--only {' '.join(unknown)}: no such lever; the levers "
+                 f"are {', '.join(levers)}.")
+  results = {name: {**measure(), 'kept': kept}
+             for name, (measure, kept) in levers.items()
+             if not args.only or name in args.only}
   common.emit({'benchmark': 'levers', 'config': args.config,
                'levers': results})
 

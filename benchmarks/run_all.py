@@ -7,8 +7,9 @@
 Two suites: `cpu` (the issue's float32 shapes, the copy task and the levers)
 and `accelerator` (bfloat16 on a GPU or TPU: the base step at the issue's
 batch and at a batch that fills the chip, float32 at that batch, bfloat16
-decoding, the copy task and, on a GPU, the bfloat16 step at that batch with
-cuDNN's fused attention); the default is the suite of the backend JAX
+decoding, the copy task, the levers whose worth depends on the accelerator
+and, on a GPU, the bfloat16 step at that batch with cuDNN's fused
+attention); the default is the suite of the backend JAX
 finds. Results measured on another machine come into the README with
 --from_json.
 
@@ -112,6 +113,11 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {name} | {lever['with_s']:.4f} | "
                      f"{lever['without_s']:.4f} | {lever['speedup']:.2f}x | "
                      f"{_kept(lever['kept'])} |")
+      memory = r['levers'].get('donated_state', {}).get('memory_mb')
+      if memory:
+        lines += ['', f"The donated step's buffers take {memory['with']:,.0f} "
+                  f"MiB at once, against {memory['without']:,.0f} MiB without "
+                  "donation (XLA's buffer assignment, `small` step)."]
   return '\n'.join(lines)
 
 
@@ -200,6 +206,10 @@ def accelerator_suite(peak: dict) -> Iterator[dict]:
   yield run('decode.py', '--config=base', '--dtype=bfloat16',
             '--beam', '1', '4')
   yield run('copy_task.py')
+  # The levers whose worth depends on the accelerator: the host loop's
+  # overlap with the step, and the memory donation saves.
+  yield run('levers.py', '--only', 'donated_state', 'metrics_on_device',
+            'batches_during_step', '--repeats=6')
   if peak['environment']['backend'] == 'gpu':
     # cuDNN's fused attention, against the bfloat16 step at the same batch;
     # last, so that the rest is measured even where cuDNN refuses the shapes.
