@@ -95,7 +95,7 @@ def table(results: list[dict]) -> str:
             f"| decode | {r['config']} | {search} | {d['compile_s']:.1f} | "
             f"{d['first_call_s']:.1f} | {d['step_s'] * 1e3:.1f} ms | "
             f"{d['sentences_per_s']:.0f} | {d['generated_tokens_per_s']:,.0f} | "
-            f"{d['flax_wmt']['sentences_per_s']:.0f} | {_speedup(d)} |")
+            f"{_decode_baseline(d)} |")
   lines += _annotated_table(rest)
   for r in rest:
     if r['benchmark'] == 'copy_task':
@@ -168,6 +168,12 @@ def _baseline(r: dict) -> str:
   theirs = r['flax_wmt']
   return (f"{theirs['compile_s']:.1f}, {theirs['step_s']:.4g}, "
           f"{theirs['mfu']:.0%} | {_speedup(r)}")
+
+
+def _decode_baseline(d: dict) -> str:
+  if 'flax_wmt' not in d:
+    return '(not run) | —'
+  return f"{d['flax_wmt']['sentences_per_s']:.0f} | {_speedup(d)}"
 
 
 def _speedup(r: dict) -> str:

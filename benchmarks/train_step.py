@@ -57,8 +57,11 @@ def model_flops_per_step(config, batch: int, src_len: int,
                          tgt_len: int) -> float:
   """3 x the forward FLOPs of one batch, counted over all positions."""
   d, d_ff = config.d_model, config.d_ff
-  encoder = config.num_encoder_layers * (4 * d * d + 2 * d * d_ff)
-  decoder = (config.num_decoder_layers * (8 * d * d + 2 * d * d_ff) +
+  # Matmul parameters per source position: the encoder's layers, and the
+  # cross-attention's W^K, W^V, which project the encoder output.
+  encoder = (config.num_encoder_layers * (4 * d * d + 2 * d * d_ff) +
+             config.num_decoder_layers * 2 * d * d)
+  decoder = (config.num_decoder_layers * (6 * d * d + 2 * d * d_ff) +
              d * config.tgt_vocab_size)  # + the output projection
   matmuls = 2 * (encoder * batch * src_len + decoder * batch * tgt_len)
   attention = 4 * batch * d * (
