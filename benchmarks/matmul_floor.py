@@ -24,10 +24,10 @@ floor is below what they cost inside a real step.
 import argparse
 import collections
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
 
@@ -116,6 +116,13 @@ def _seconds_in_loop(product, a, b, repeats: int) -> float:
   return max(0.0, min(times['with']) - min(times['without'])) / _LOOP_TRIPS
 
 
+def product_flops(lhs: tuple, rhs: tuple, dimension_numbers) -> int:
+  """FLOPs of one dot_general: 2 x every lhs element x each rhs free column."""
+  (_, rhs_contracting), (_, rhs_batch) = dimension_numbers
+  return 2 * math.prod(lhs) * math.prod(
+      n for i, n in enumerate(rhs) if i not in (*rhs_contracting, *rhs_batch))
+
+
 def matmul_floor(matmuls: collections.Counter, timer, repeats: int):
   """Each product timed by timer, summed -> (floor s, GFLOP, one row each)."""
   rows, floor_s, flops = [], 0.0, 0.0
@@ -123,8 +130,7 @@ def matmul_floor(matmuls: collections.Counter, timer, repeats: int):
                                         key=lambda item: -item[1]):
     a, b = jnp.ones(lhs, jnp.float32), jnp.ones(rhs, jnp.float32)
     product = jax.jit(lambda x, y, dims=dims: lax.dot_general(x, y, dims))
-    out = jax.eval_shape(product, a, b)
-    gflop = 2 * np.prod(out.shape) * np.prod([lhs[i] for i in dims[0][0]]) / 1e9
+    gflop = product_flops(lhs, rhs, dims) / 1e9
     seconds = timer(product, a, b, repeats)
     floor_s += count * seconds
     flops += count * gflop

@@ -24,7 +24,7 @@ BENCHMARKS = os.path.join(ROOT, 'benchmarks')
 # train_step.model_flops_per_step; source and target lengths differ, so the
 # cross-attention's keys and values are counted where they are computed.
 _FLOPS_OF_THE_STEP = """
-import functools, json, math
+import functools, json
 import jax, numpy as np
 import matmul_floor, train_step as bench
 from flaxformer_mini.config import get_config
@@ -41,12 +41,8 @@ jaxpr = jax.make_jaxpr(step)(
     make_batch(ids[:, :src_len].astype(np.int32), ids.astype(np.int32),
                config),
     jax.random.key(1))
-traced = 0
-for (lhs, rhs, dims), count in matmul_floor.dot_generals(jaxpr.jaxpr).items():
-  (_, rhs_contracting), (_, rhs_batch) = dims
-  rhs_free = math.prod(n for i, n in enumerate(rhs)
-                       if i not in rhs_contracting + rhs_batch)
-  traced += count * 2 * math.prod(lhs) * rhs_free
+traced = sum(count * matmul_floor.product_flops(*product) for product, count
+             in matmul_floor.dot_generals(jaxpr.jaxpr).items())
 print(json.dumps({'traced': traced, 'formula': bench.model_flops_per_step(
     config, batch, src_len, tgt_len)}))
 """
