@@ -2,11 +2,11 @@
 
   python train.py --task=copy                      # the copy task, copy preset
   python train.py --task=copy --d_model=32 --pre_norm=true
-  python train.py --task=translate --data_dir=../shared/data/multi30k
+  python train.py --task=translate --data_dir=DIR  # e.g. Multi30k task 1
   python train.py --help                           # every config field
 
-Bad flags end in a one-line error that names the flag and what is allowed,
-before JAX compiles anything.
+Bad flags, data or workdirs end in a one-line error that names the flag,
+file or folder and what to do, before JAX compiles anything.
 """
 
 import argparse
@@ -14,12 +14,15 @@ import dataclasses
 import os
 import sys
 import time
+import typing
 
 _START = time.perf_counter()
 
 from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not-at-top
 
-TASKS = {'copy': 'copy', 'translate': 'translate'}  # task -> its preset
+TASKS = ('copy', 'translate')
+# Each task's own preset, where --config is not given.
+TASK_PRESETS = {'copy': 'copy', 'translate': 'translate'}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,23 +32,32 @@ class OneLineParser(argparse.ArgumentParser):
     self.exit(2, f'{self.prog}: error: {message}\n')
 
 
+def _field_types() -> dict[str, type]:
+  hints = typing.get_type_hints(config_lib.TransformerConfig)
+  return {f.name: hints[f.name]
+          for f in dataclasses.fields(config_lib.TransformerConfig)}
+
+
 def _field_help(field: dataclasses.Field) -> str:
-  presets = {name: getattr(make(), field.name)
-             for name, make in config_lib.PRESETS.items()}
-  differing = ', '.join(f'{name}={value}' for name, value in presets.items()
-                        if value != field.default)
-  return f'default {field.default}' + (f' ({differing})' if differing else '')
+  differing = ', '.join(f'{name}={getattr(preset, field.name)}'
+                        for name, preset in config_lib.PRESETS.items()
+                        if getattr(preset, field.name) != field.default)
+  allowed = config_lib.CHOICES.get(field.name)
+  return ((f'one of {", ".join(allowed)}; ' if allowed else '') +
+          f'default {field.default}' +
+          (f' ({differing})' if differing else ''))
 
 
 def build_parser() -> OneLineParser:
   parser = OneLineParser(
       prog='train.py', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--task', choices=sorted(TASKS), required=True,
+  parser.add_argument('--task', choices=TASKS, required=True,
                       help='what to train.')
   parser.add_argument('--config', choices=list(config_lib.PRESETS),
-                      help='the preset to start from (default: the task\'s '
-                      'own, e.g. copy for --task=copy).')
+                      help="the preset to start from (default: the task's "
+                      'own: copy for --task=copy, translate for '
+                      '--task=translate).')
   parser.add_argument('--workdir', help='where results.json and the '
                       'checkpoints go (default: runs/<task>); a workdir with '
                       'checkpoints is resumed.')
@@ -55,8 +67,8 @@ def build_parser() -> OneLineParser:
   data.add_argument('--data_dir', help='folder of train.{lang}[.gz], '
                     'val.{lang}[.gz], test*.{lang}[.gz] files.')
   data.add_argument('--dataset', help='TFDS name, e.g. wmt14_translate/de-en.')
-  data.add_argument('--tfds_dir', help='TFDS data dir (default: '
-                    'WORKDIR/tfds for local files, TFDS\'s own otherwise).')
+  data.add_argument('--tfds_dir', help="TFDS data dir (default: "
+                    "WORKDIR/tfds for local files, TFDS's own otherwise).")
   parser.add_argument(
       '--compilation_cache', default=os.environ.get(
           'JAX_COMPILATION_CACHE_DIR', os.path.join(
@@ -66,28 +78,59 @@ def build_parser() -> OneLineParser:
       '%(default)s).')
   parser.add_argument('--tour', action='store_true',
                       help='print every named tensor of one forward pass on '
-                      'a batch of 2 (shapes and axes; the trained model of '
-                      '--workdir if it has one) and exit, without training.')
+                      'a batch of 2 (shapes and axes) and exit, without '
+                      "training: the trained model of --workdir (with its "
+                      'own config), or random weights of the preset.')
   parser.add_argument('--fresh', action='store_true',
-                      help='set the workdir\'s checkpoints aside and start '
-                      'over instead of resuming.')
+                      help="set everything the workdir's earlier run wrote "
+                      'aside (into WORKDIR/set-aside-<time>) and start over '
+                      'instead of resuming.')
   hosts = parser.add_argument_group(
       'multi-host', 'start one process per host; on Cloud TPU pods and '
       'SLURM / Kubernetes GPU clusters --multihost alone finds the others.')
   hosts.add_argument('--multihost', action='store_true',
-                     help='join JAX\'s multi-controller runtime.')
+                     help="join JAX's multi-controller runtime.")
   hosts.add_argument('--coordinator_address',
                      help='host:port of process 0 (implies --multihost).')
   hosts.add_argument('--num_processes', type=int,
                      help='how many processes in all.')
-  hosts.add_argument('--process_id', type=int, help='this process\'s index.')
+  hosts.add_argument('--process_id', type=int, help="this process's index.")
   fields = parser.add_argument_group(
       'config fields', 'override any field of the preset; defaults are the '
       'dataclass defaults, with the presets that differ in parentheses.')
   for field in dataclasses.fields(config_lib.TransformerConfig):
     fields.add_argument(f'--{field.name}', default=argparse.SUPPRESS,
-                        metavar=field.type.__name__, help=_field_help(field))
+                        metavar=_field_types()[field.name].__name__,
+                        help=_field_help(field))
   return parser
+
+
+def _parse_value(name: str, kind: type, text: str):
+  if kind is bool:
+    lowered = text.strip().lower()
+    if lowered in ('1', 'true', 'yes'):
+      return True
+    if lowered in ('0', 'false', 'no'):
+      return False
+    raise config_lib.ConfigError(f'{name}={text}: allowed values: true, false.')
+  try:
+    return kind(text)
+  except ValueError:
+    raise config_lib.ConfigError(
+        f'{name}={text}: expected a value of type {kind.__name__}.') from None
+
+
+def override(config: config_lib.TransformerConfig,
+             overrides: dict[str, str]) -> config_lib.TransformerConfig:
+  """Applies command-line strings {field: text} to `config`, validating them.
+
+  Raises:
+    ConfigError: naming the field with the bad value.
+  """
+  types = _field_types()
+  parsed = {name: _parse_value(name, types[name], text)
+            for name, text in overrides.items()}
+  return config.replace(**parsed)
 
 
 def parse(argv: list[str]):
@@ -99,60 +142,80 @@ def parse(argv: list[str]):
     parser.error(f'{flag}: unknown flag; allowed: --task, --config, '
                  '--workdir, --fresh, --tour, --compilation_cache, the data '
                  'and multi-host flags, or a config field (see --help).')
-  field_names = {f.name for f in dataclasses.fields(config_lib.TransformerConfig)}
-  overrides = {k: v for k, v in vars(args).items() if k in field_names}
+  overrides = {k: v for k, v in vars(args).items() if k in _field_types()}
   try:
-    config = config_lib.override(
-        config_lib.get_config(args.config or TASKS[args.task]), overrides)
+    config = override(
+        config_lib.get_config(args.config or TASK_PRESETS[args.task]),
+        overrides)
   except config_lib.ConfigError as e:
-    parser.error(str(e))
-  if args.task == 'translate' and bool(args.data_dir) == bool(args.dataset):
-    parser.error('--task=translate needs one of --data_dir (local files) or '
-                 '--dataset (a TFDS name), not both.')
-  if args.data_dir and not os.path.isdir(args.data_dir):
-    parser.error(f'--data_dir={args.data_dir}: no such directory.')
+    parser.error(f'--{e}')
+  if not (args.multihost or args.coordinator_address):
+    given = [f'--{name}' for name in ('num_processes', 'process_id')
+             if getattr(args, name) is not None]
+    if given:
+      parser.error(f'{" and ".join(given)} without --multihost or '
+                   '--coordinator_address would train as one process; add '
+                   'one of them, or drop the flag.')
+  if args.task == 'translate' and not args.tour:
+    if not args.data_dir and not args.dataset:
+      parser.error('--task=translate needs --data_dir (local files) or '
+                   '--dataset (a TFDS name).')
+    if args.data_dir and args.dataset:
+      parser.error('--data_dir and --dataset: give one of them.')
+    if args.data_dir and not os.path.isdir(args.data_dir):
+      parser.error(f'--data_dir={args.data_dir}: no such directory.')
   return args, config
+
+
+def _tour(args, config) -> None:
+  """--tour: the workdir's trained model with its own config, or the preset."""
+  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import checkpoints, tour
+  if args.workdir:
+    config = checkpoints.read_run_config(args.workdir)
+    params = checkpoints.load_params(
+        os.path.join(args.workdir, checkpoints.CHECKPOINTS_DIR), config)
+    print(f'the trained model of {args.workdir}')
+  else:
+    params = None
+    print(f'random weights of the {args.config or TASK_PRESETS[args.task]} '
+          'preset (give --workdir for a trained model)')
+  tour.print_tour(config, params)
 
 
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
   # pylint: disable=g-import-not-at-top
-  if args.task == 'translate':
-    # Before JAX starts its threads. Not for the copy task: its steps are
-    # small, and one malloc arena would slow its compiles (host_memory.py).
-    from flaxformer_mini import host_memory
-    host_memory.keep_freed_memory()
+  import jax
   if args.compilation_cache:
-    import jax
     jax.config.update('jax_compilation_cache_dir', args.compilation_cache)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-  if args.tour:
-    from flaxformer_mini import tour
-    tour.print_tour(config, args.workdir)
-    return
-  from flaxformer_mini import attention, experiment, parallel
-  if args.multihost or args.coordinator_address:
-    parallel.initialize_multihost(args.coordinator_address, args.num_processes,
-                                  args.process_id)
-  try:
-    parallel.check_divisible(config.batch_size)
-    attention.check_backend(config)
-  except ValueError as e:
-    build_parser().error(str(e))
-  from flaxformer_mini.checkpoints import CheckpointError
+  from flaxformer_mini import checkpoints, loop, parallel, workdir
   from flaxformer_mini.data import DataError
-  workdir = args.workdir or os.path.join('runs', args.task)
   try:
+    if args.tour:
+      _tour(args, config)
+      return
+    if args.multihost or args.coordinator_address:
+      parallel.initialize_multihost(args.coordinator_address,
+                                    args.num_processes, args.process_id)
+    path = args.workdir or os.path.join('runs', args.task)
+    # Each task imports only what it needs: the copy task runs without TFDS.
     if args.task == 'copy':
-      experiment.run_copy_task(config, workdir, _START, fresh=args.fresh)
+      from flaxformer_mini.tasks import copy
+      copy.run(config, path, args.fresh, _START)
     else:
-      experiment.run_translate(config, workdir, _START, args.data_dir,
-                               args.dataset, args.tfds_dir, args.fresh)
-  except (CheckpointError, DataError) as e:
+      from flaxformer_mini.tasks import translate
+      translate.run(config, path, args.data_dir, args.dataset, args.tfds_dir,
+                    args.fresh, _START)
+  except config_lib.ConfigError as e:
+    build_parser().error(f'--{e}')
+  except (checkpoints.CheckpointError, DataError, workdir.WorkdirError,
+          parallel.MultihostError) as e:
     sys.exit(f'train.py: error: {e}')
-  except experiment.NonFiniteLoss as e:
+  except loop.NonFinite as e:
     sys.exit(f'train.py: {e}')
-  except experiment.Interrupted as e:
+  except loop.Interrupted as e:
     print(f'train.py: {e}', file=sys.stderr)
     sys.exit(128 + e.signum)
 

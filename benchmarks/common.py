@@ -10,12 +10,12 @@ import time
 import jax
 import numpy as np
 
-from flaxformer_mini import host_memory
-
-# Every benchmark runs its steps as `train.py --task=translate` does: with
-# freed host memory kept for reuse (set here, on import, before any benchmark
-# runs JAX). The copy-task benchmark runs train.py itself.
-host_memory.keep_freed_memory()
+# glibc malloc settings that keep a step's freed host buffers for the next
+# step instead of returning them to the system (and faulting them in again):
+# one arena, no mmap, no trimming. run_all.py starts every CPU benchmark with
+# them (docs/performance.md, "Host memory"); they do nothing elsewhere.
+KEEP_FREED_MEMORY = ('glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:'
+                     'glibc.malloc.trim_threshold=2147483647')
 
 
 def environment() -> dict:
@@ -27,6 +27,7 @@ def environment() -> dict:
       'cpu_count': os.cpu_count(),
       'machine': platform.processor() or platform.machine(),
       'jax': jax.__version__,
+      'glibc_tunables': os.environ.get('GLIBC_TUNABLES', ''),
       'date': datetime.date.today().isoformat(),
   }
 

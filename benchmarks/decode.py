@@ -11,10 +11,7 @@ The Flax WMT example (benchmarks/flax_wmt.py) decodes the same sources with
 its own model and beam_search (beam > 1) or a cached greedy loop over its
 model (beam 1), in the same process, its searches and ours timed in turns;
 `speedup` is its median time over ours, with a 90 % bootstrap interval
-(common.speedup). For
-greedy decoding on a CPU with PyTorch installed, the Annotated Transformer's
-greedy_decode (benchmarks/annotated_transformer.py: a sentence at a time, no
-cache) decodes them too. --no_baseline skips the baselines.
+(common.speedup). --no_baseline skips it.
 """
 
 import argparse
@@ -31,28 +28,37 @@ from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
 
-import annotated_transformer
 import common
 import flax_wmt
 
 
 def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
-                       beams_share_memory: bool = True):
+                       cross_kv_once: bool = True):
   """Greedy (beam_size 1) or beam search that can never stop before gen_len.
 
-  Built from the library's model-agnostic pieces, with the one change of
-  forbidding eos. beams_share_memory=False copies the encoder output to every
-  beam before its keys and values are projected (what the library did before
-  they were shared; benchmarks/levers.py). -> int32[batch, gen_len].
+  Built from the library's public pieces, as beam_decode builds it, with the
+  one change of forbidding eos. cross_kv_once=False projects the encoder
+  output through W^K, W^V again at every step (benchmarks/levers.py).
+  -> int32[batch, gen_len].
   """
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
-  cache = decoding.init_cache(config, encoded, src_mask, gen_len)
-  memory_rows = (encoded, src_mask) if beams_share_memory else (
-      decoding.expand_to_beams(encoded, beam_size),
-      decoding.expand_to_beams(src_mask, beam_size))
-  step = decoding.transformer_tokens_to_logits(params, config, *memory_rows)
+  cache = decoding.init_cache(config, src.shape[0], gen_len)
+  if beam_size > 1:
+    encoded = decoding.expand_to_beams(encoded, beam_size)
+    src_mask = decoding.expand_to_beams(src_mask, beam_size)
+  if cross_kv_once:
+    step = decoding.transformer_tokens_to_logits(params, config, encoded,
+                                                 src_mask)
+  else:
+    model = Transformer(config)
+
+    def step(tokens, cache):
+      logits, variables = model.apply(
+          {'params': params, 'cache': cache}, encoded, src_mask, tokens,
+          incremental=True, mutable=['cache'], method=Transformer.decode)
+      return logits[:, -1], variables['cache']
 
   def no_eos(tokens, cache):
     logits, cache = step(tokens, cache)
@@ -102,12 +108,8 @@ def _throughput(times: list[float], batch: int, gen_len: int) -> dict:
 
 
 def measure(config, params, baseline_params, src, beam_size: int,
-            gen_len: int, repeats: int, annotated: bool = True):
-  """Ours and the Flax WMT example's search, timed in turns (medians).
-
-  annotated: greedy searches are also timed against the Annotated
-  Transformer's greedy_decode (where PyTorch is installed).
-  """
+            gen_len: int, repeats: int):
+  """Ours and the Flax WMT example's search, timed in turns (medians)."""
   calls, result = {}, {'beam': beam_size}
   calls['ours'], compiled = _compiled(
       functools.partial(decode_without_eos, config=config,
@@ -125,29 +127,7 @@ def measure(config, params, baseline_params, src, beam_size: int,
   if baseline_params is not None:
     result['flax_wmt'].update(_throughput(times['flax_wmt'], batch, gen_len))
     result.update(common.speedup(times['flax_wmt'], times['ours']))
-    if beam_size == 1 and annotated:
-      result['annotated_transformer'] = _annotated_greedy(
-          config, src, gen_len, repeats, result['decode_s'])
   return result
-
-
-def _annotated_greedy(config, src, gen_len: int, repeats: int,
-                      our_decode_s: float) -> dict:
-  """The Annotated Transformer's greedy_decode over the same sources."""
-  why_not = annotated_transformer.unavailable()
-  if why_not:
-    return {'not_run': why_not}
-  import torch  # pylint: disable=g-import-not-at-top
-  decode = annotated_transformer.greedy_fn(annotated_transformer.load(),
-                                           config, gen_len)
-  src = torch.from_numpy(np.asarray(src, np.int64))
-  assert decode(src).shape == (src.shape[0], gen_len)  # and warms up
-  # Tens of times slower than ours: two runs pin that down well enough.
-  seconds = common.median_seconds(lambda: decode(src), min(repeats, 2))
-  return {'decode_s': seconds, 'step_s': seconds / gen_len,
-          'sentences_per_s': src.shape[0] / seconds,
-          'generated_tokens_per_s': src.shape[0] * gen_len / seconds,
-          'speedup': seconds / our_decode_s}
 
 
 def main():
@@ -160,16 +140,19 @@ def main():
   parser.add_argument('--repeats', type=int, default=7)
   parser.add_argument('--dtype', default='float32',
                       choices=['float32', 'bfloat16'])
+  parser.add_argument('--cpu_kernels', action='store_true',
+                      help='ours only: config.cpu_kernels (cpu_kernels.py)')
   parser.add_argument('--no_baseline', action='store_true',
-                      help="skip the baselines' decoding")
+                      help="skip the Flax WMT example's decoding")
   args = parser.parse_args()
-  config = get_config(args.config).replace(dropout_rate=0.0, dtype=args.dtype)
+  config = get_config(args.config).replace(dropout_rate=0.0, dtype=args.dtype,
+                                           cpu_kernels=args.cpu_kernels)
   params, src = random_model_and_sources(config, args.batch, args.src_len)
   baseline_params = None if args.no_baseline else flax_wmt_params(config)
   runs = [measure(config, params, baseline_params, src, beam, args.gen_len,
                   args.repeats) for beam in args.beam]
   common.emit({'benchmark': 'decode', 'config': args.config,
-               'dtype': args.dtype,
+               'dtype': args.dtype, 'cpu_kernels': args.cpu_kernels,
                'batch': args.batch, 'src_len': args.src_len,
                'gen_len': args.gen_len, 'runs': runs})
 

@@ -1,83 +1,46 @@
 """What each speed lever buys: every one measured on and off, in one process.
 
   python benchmarks/levers.py [--config small]
-  python benchmarks/levers.py --only donated_state metrics_on_device
+  python benchmarks/levers.py --only cpu_kernels donated_state
 
 Each lever is timed against its alternative on the same inputs, the two
 interleaved, and reported as `speedup` = time without the lever / time with
 it. Each time is the best of --repeats runs: the work is deterministic, so
 the fastest run is the one least disturbed by the rest of a shared machine.
-Differences within about 10 % are not measurable that way. Levers the
-project keeps are marked `kept`; the two-stage top-k and the fused QKV
-projection are measured and not kept (they lose on CPU); scan_layers and
-fused_attention are options, off by default (`kept` says 'option').
 
-- cross_attention_memory: decoding projects the encoder output through W^K,
-  W^V once (decoding.project_memory) instead of at every step. Greedy search,
+- cpu_kernels: the training step (batch 64 x 32 on `small`, 16 x 64 on
+  `base`) with config.cpu_kernels (cpu_kernels.py: every nn.Dense's weight
+  gradient and the tied output layer's gradient in the CPU's fast operand
+  layout), against the plain model. An option, for CPU runs.
+- cross_attention_kv: decoding projects the encoder output through W^K, W^V
+  once (decoding.project_cross_kv) instead of at every step. Greedy search,
   batch 32, 32 tokens.
-- beams_share_memory: beam search (beam 4, batch 32, 32 tokens, eos
-  impossible) with the encoder's cross-attention keys and values kept once
-  per sentence and shared by its beams (attention_shared_by_groups), against
-  the encoder output copied to every beam before they are projected.
-- table_major_logits: greedy decoding of the `base` model (batch 32, 32
-  tokens, whatever --config) with the tied output projection of its 32 rows
-  computed as table @ x^T (embeddings.tied_logits), against x @ table.T
-  (embeddings.FEW_ROWS set to 0 while that search is traced).
-- two_stage_top_k: beam search's top 2k of beam x vocab as a top-k per beam
-  then over beams, against one top-k over beam x vocab. [32, 4, vocab].
-- two_reduction_argmax: greedy search's next token as a max and then a min
-  over the indices that reach it (decoding._argmax), against jnp.argmax's
-  (value, index) reduction. [32, vocab].
 - closed_form_loss: the label-smoothed KL from log-probabilities, against
   materialising the smoothed one-hot target [batch, len, vocab]; loss +
   gradient w.r.t. the logits.
-- tied_logits_vjp: the tied output projection's gradient written out
-  (embeddings.tied_logits), against autodiff's, whose table gradient makes
-  XLA's CPU backend transpose the whole [tokens, vocab] gradient; gradient of
-  projection + loss w.r.t. both inputs.
-- dense_weight_gradient: the training step (batch 64 x 32 on `small`, 16 x
-  64 on `base`) with every nn.Dense's weight gradient written out
-  (linear.dot_general: x^T copied before the product), against autodiff's
-  product contracted over the tokens (jax.lax.dot_general while the step is
-  traced).
 - donated_state: the training step donates its input state (buffers reused
   in place), against a step that does not. The JSON adds `memory_mb`, what
-  XLA's buffer assignment gives each compiled step to hold at once:
-  arguments + outputs - the outputs written into donated arguments +
-  temporaries.
-- fused_attention: the training step (batch 64 x 32, the --config model)
-  with attention through jax.nn.dot_product_attention
-  (config.attention_implementation='xla', an option; 'cudnn' needs a GPU)
-  against the explicit products, softmax and masks.
-- fused_qkv: one [d, 3d] projection instead of three [d, d] (forward +
-  backward on [batch * len, d]).
-- scan_layers_compile, scan_layers_step: the `base` training step
-  (16 x 64, whatever --config) with its layers as one nn.scan each
-  (config.scan_layers, an option) against unrolled: compile seconds, then
-  step seconds.
+  XLA's buffer assignment gives each compiled step to hold at once.
+- keep_freed_memory: the training step in a process started with
+  common.KEEP_FREED_MEMORY in GLIBC_TUNABLES (glibc keeps the step's freed
+  host buffers for the next step), against glibc's defaults, which fault the
+  step's temporaries in again at every step (separate processes).
 - compilation_cache: `train.py --task=copy` wall time with a warm persistent
   compilation cache against a cold one (separate processes).
-- metrics_on_device: the copy task's training loop (its preset's real
-  step, 50 steps) keeping each step's metrics on the device and fetching them
-  all at the end, as experiment.train does at every log, against fetching
-  every step's metrics as it ends (the host then waits for each step before
-  it makes the next batch).
+- metrics_on_device: the copy task's training loop (50 steps of its preset)
+  keeping each step's metrics on the device and fetching them all at the
+  end, as loop.train does at every log, against fetching every step's
+  metrics as it ends.
 - batches_during_step: the same loop making and placing each batch while the
   step before it runs (JAX's asynchronous dispatch), against waiting for each
-  step to finish first; metrics stay on the device in both.
-- bounded_shapes: one epoch of Multi30k de-en under the translate preset (a
-  SentencePiece vocabulary trained here, as train.py trains it) in length
-  buckets (data.batching.TokenBatches), against the same sentences shuffled
-  into batches of as many sentences each, every batch padded to its own
+  step to finish first.
+- bounded_shapes: one epoch of Multi30k de-en (the translate preset's
+  vocabulary and budget) in length buckets (data.batching.TokenBatches),
+  against as many batches of shuffled sentences, each padded to its own
   longest pair: the compile seconds of the epoch's distinct batch shapes,
-  their count times the median time to compile the translate step at three
-  of the bucket shapes. The JSON adds the shape counts and the padded tokens
-  of both. Needs the Multi30k files (--data_dir); not run without them.
-- keep_freed_memory: the training step (batch 64 x 32 on `small`, 16 x 64 on
-  `base`) in a process whose malloc keeps freed memory for reuse
-  (host_memory.keep_freed_memory, as train.py and these benchmarks run),
-  against one with glibc's defaults, which page-fault the step's temporaries
-  in at every step (separate processes, one after the other).
+  their count times the median time to compile the step at three bucket
+  shapes; the JSON adds the shape counts and padded tokens. Needs the
+  Multi30k files (--data_dir); not run without them.
 """
 
 import argparse
@@ -87,18 +50,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini import decoding, embeddings, linear, losses
+from flaxformer_mini import losses
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import batching, copy_task, parallel_text
 from flaxformer_mini.data import tokenizer as spm_lib
-from flaxformer_mini.masks import padding_mask
-from flaxformer_mini.model import Transformer
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state, train_step
 
@@ -121,95 +81,44 @@ def compare(with_lever, without_lever, repeats: int) -> dict:
           'speedup': without_s / with_s}
 
 
-def cross_attention_memory(config, repeats):
+def _one_batch(config_name: str, config):
+  """train_step.py's batch of config_name -> (config at that batch, batch)."""
+  batch, length = train_bench.SHAPES[config_name]
+  config = config.replace(batch_size=batch)
+  return config, train_bench.synthetic_batches(config, batch, length, 'full',
+                                               1)[0]
+
+
+def _blocking_train_step(config, batch, rng):
+  """The donated training step of `config`, compiled for `batch`.
+
+  -> a call that makes one step and waits for it.
+  """
+  state = create_train_state(config, jax.random.key(0))
+  step = jax.jit(functools.partial(train_step, config=config),
+                 donate_argnums=0)
+  compiled, compile_s = train_bench.compile_timed(step, state, batch, rng)
+  return train_bench.blocking_run(compiled, state, [batch], rng,
+                                  compile_s)['advance']
+
+
+def cpu_kernels(config_name: str, repeats: int) -> dict:
+  config, host = _one_batch(config_name,
+                            get_config(config_name).replace(dropout_rate=0.1))
+  rng = jax.random.key(1)
+  return compare(_blocking_train_step(config.replace(cpu_kernels=True), host,
+                                      rng),
+                 _blocking_train_step(config, host, rng), repeats)
+
+
+def cross_attention_kv(config, repeats):
   params, src = decode_bench.random_model_and_sources(config)
-  model = Transformer(config)
-
-  def greedy(params, src, use_memory):
-    src_mask = padding_mask(src, config.pad_id)
-    encoded = model.apply({'params': params}, src, src_mask,
-                          method=Transformer.encode)
-    extra = ({'memory': decoding.project_memory(params, config, encoded,
-                                                src_mask)}
-             if use_memory else {})
-
-    def step(tokens, cache):
-      logits, variables = model.apply(
-          {'params': params, 'cache': cache, **extra}, encoded, src_mask,
-          tokens, decode=True, mutable=['cache'], method=Transformer.decode)
-      return logits[:, -1].at[:, config.eos_id].set(-jnp.inf), variables[
-          'cache']
-
-    return decoding.greedy_search(
-        step, decoding.init_cache(config, encoded, src_mask, 32), 32, 32,
-        config.bos_id, config.eos_id, config.pad_id)
-
-  on, off = (jax.jit(functools.partial(greedy, use_memory=flag))
-             for flag in (True, False))
-  return compare(lambda: on(params, src).block_until_ready(),
-                 lambda: off(params, src).block_until_ready(), repeats)
-
-
-def beams_share_memory(config, repeats):
-  params, src = decode_bench.random_model_and_sources(config)
-  on, off = (jax.jit(functools.partial(
-      decode_bench.decode_without_eos, config=config, beam_size=4, gen_len=32,
-      beams_share_memory=flag)) for flag in (True, False))
-  np.testing.assert_array_equal(on(params, src), off(params, src))
-  return compare(lambda: on(params, src).block_until_ready(),
-                 lambda: off(params, src).block_until_ready(), repeats)
-
-
-def table_major_logits(repeats):
-  config = get_config('base').replace(dropout_rate=0.0)
-  params, src = decode_bench.random_model_and_sources(config)
-
-  def compiled_search(table_major: bool):
-    jax.clear_caches()  # tied_logits' trace is cached apart from FEW_ROWS
-    lowered = jax.jit(functools.partial(
-        decode_bench.decode_without_eos, config=config, beam_size=1,
-        gen_len=32)).lower(params, src)
-    assert ('optimization_barrier' in lowered.as_text()) == table_major
-    return lowered.compile()
-
-  on = compiled_search(table_major=True)
-  few_rows, embeddings.FEW_ROWS = embeddings.FEW_ROWS, 0
-  try:
-    off = compiled_search(table_major=False)
-  finally:
-    embeddings.FEW_ROWS = few_rows
-    jax.clear_caches()
-  np.testing.assert_array_equal(on(params, src), off(params, src))
-  return compare(lambda: on(params, src).block_until_ready(),
-                 lambda: off(params, src).block_until_ready(), repeats)
-
-
-def two_stage_top_k(config, repeats):
-  beams, vocab = 4, config.tgt_vocab_size
-  candidates = jax.random.normal(jax.random.key(0), (32, beams, vocab))
-
-  def one_stage(x):
-    return jax.lax.top_k(x.reshape(32, beams * vocab), 2 * beams)
-
-  def two_stages(x):
-    values, tokens = jax.lax.top_k(x, 2 * beams)
-    best, picks = jax.lax.top_k(values.reshape(32, -1), 2 * beams)
-    return best, jnp.take_along_axis(tokens.reshape(32, -1), picks, 1)
-
-  on, off = jax.jit(two_stages), jax.jit(one_stage)
-  np.testing.assert_array_equal(on(candidates)[0], off(candidates)[0])
-  return compare(lambda: jax.block_until_ready(on(candidates)),
-                 lambda: jax.block_until_ready(off(candidates)),
-                 repeats * 20)
-
-
-def two_reduction_argmax(config, repeats):
-  logits = jax.random.normal(jax.random.key(0), (32, config.tgt_vocab_size))
-  on = jax.jit(decoding._argmax)  # pylint: disable=protected-access
-  off = jax.jit(lambda x: jnp.argmax(x, axis=-1))
-  np.testing.assert_array_equal(on(logits), off(logits))
-  return compare(lambda: on(logits).block_until_ready(),
-                 lambda: off(logits).block_until_ready(), repeats)
+  once, every_step = (jax.jit(functools.partial(
+      decode_bench.decode_without_eos, config=config, beam_size=1, gen_len=32,
+      cross_kv_once=flag)) for flag in (True, False))
+  np.testing.assert_array_equal(once(params, src), every_step(params, src))
+  return compare(lambda: once(params, src).block_until_ready(),
+                 lambda: every_step(params, src).block_until_ready(), repeats)
 
 
 def closed_form_loss(config, repeats):
@@ -232,71 +141,6 @@ def closed_form_loss(config, repeats):
   np.testing.assert_allclose(on(logits)[0], off(logits)[0], rtol=1e-4)
   return compare(lambda: jax.block_until_ready(on(logits)),
                  lambda: jax.block_until_ready(off(logits)), repeats)
-
-
-def tied_logits_vjp(config, repeats):
-  x = jax.random.normal(jax.random.key(0), (64, 32, config.d_model))
-  table = jax.random.normal(jax.random.key(1),
-                            (config.tgt_vocab_size, config.d_model))
-  labels = jax.random.randint(jax.random.key(2), (64, 32), 3,
-                              config.tgt_vocab_size)
-
-  def loss(project):
-    return lambda x, table: losses.label_smoothed_kl(
-        project(x, table), labels, 0.1, config.pad_id)[0]
-
-  on, off = (jax.jit(jax.grad(loss(project), argnums=(0, 1))) for project in
-             (embeddings.tied_logits,
-              lambda x, table: jnp.einsum('btd,vd->btv', x, table)))
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-3,
-                                 atol=1e-4), on(x, table), off(x, table))
-  return compare(lambda: jax.block_until_ready(on(x, table)),
-                 lambda: jax.block_until_ready(off(x, table)), repeats)
-
-
-def _one_batch(config_name: str, config):
-  """train_step.py's batch of config_name -> (config at that batch, batch)."""
-  batch, length = train_bench.SHAPES[config_name]
-  config = config.replace(batch_size=batch)
-  return config, train_bench.synthetic_batches(config, batch, length, 'full',
-                                               1)[0]
-
-
-def _blocking_train_step(config, batch, rng, lowered_check=None):
-  """The donated training step, compiled for `batch`.
-
-  lowered_check, if given, is called with the lowered program's text.
-  -> (a call that makes one step and waits for it, compile seconds).
-  """
-  state = create_train_state(config, jax.random.key(0))
-  step = jax.jit(functools.partial(train_step, config=config),
-                 donate_argnums=0)
-  if lowered_check is not None:
-    lowered_check(step.lower(state, batch, rng).as_text())
-  compiled, compile_s = train_bench.compile_timed(step, state, batch, rng)
-  return train_bench.blocking_run(compiled, state, [batch], rng,
-                                  compile_s)['advance'], compile_s
-
-
-def dense_weight_gradient(config_name: str, repeats: int) -> dict:
-  config, host = _one_batch(config_name,
-                            get_config(config_name).replace(dropout_rate=0.1))
-  rng = jax.random.key(1)
-
-  def blocking_step(autodiff: bool):
-    jax.clear_caches()  # the model's trace is cached apart from the patch
-
-    def patch_reached_the_step(text):
-      assert ('optimization_barrier' in text) != autodiff
-
-    with mock.patch.object(linear, 'dot_general',
-                           jax.lax.dot_general if autodiff else
-                           linear.dot_general):
-      return _blocking_train_step(config, host, rng,
-                                  patch_reached_the_step)[0]
-
-  return compare(blocking_step(autodiff=False), blocking_step(autodiff=True),
-                 repeats)
 
 
 def donated_state(config, repeats):
@@ -324,45 +168,47 @@ def _held_mb(compiled) -> float:
   return held / 2**20
 
 
-def fused_attention(config, repeats):
-  config, host = _one_batch('small', config)
-  rng = jax.random.key(1)
-  fused, explicit = (
-      _blocking_train_step(config.replace(attention_implementation=name),
-                           host, rng)[0] for name in ('xla', 'explicit'))
-  return compare(fused, explicit, repeats)
+# Best-of-`repeats` training-step seconds in a fresh process (argv: config
+# name, batch, length, repeats); its malloc is whatever GLIBC_TUNABLES says.
+_STEP_IN_A_PROCESS = """
+import functools, sys, time
+import jax, numpy as np
+from flaxformer_mini.config import get_config
+from flaxformer_mini.masks import make_batch
+from flaxformer_mini.training import create_train_state, train_step
+batch, length = int(sys.argv[2]), int(sys.argv[3])
+config = get_config(sys.argv[1]).replace(batch_size=batch, dropout_rate=0.1)
+ids = np.random.default_rng(0).integers(
+    3, config.src_vocab_size, (batch, length + 1)).astype(np.int32)
+ids[:, 0] = config.bos_id
+batch = make_batch(ids[:, 1:], ids, config)
+step = jax.jit(functools.partial(train_step, config=config), donate_argnums=0)
+state, rng = create_train_state(config, jax.random.key(0)), jax.random.key(1)
+times = []
+for _ in range(int(sys.argv[4]) + 1):
+  start = time.perf_counter()
+  state, metrics = step(state, batch, rng)
+  jax.block_until_ready((state, metrics))
+  times.append(time.perf_counter() - start)
+print(min(times[1:]))
+"""
 
 
-def fused_qkv(config, repeats):
-  d = config.d_model
-  x = jax.random.normal(jax.random.key(0), (64 * 32, d))
-  kernels = [jax.random.normal(jax.random.key(i), (d, d)) for i in range(3)]
+def keep_freed_memory(config_name: str, repeats: int) -> dict:
+  def best_step_s(tunables: str | None):
+    env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+    if tunables:
+      env['GLIBC_TUNABLES'] = tunables
+    done = subprocess.run(
+        [sys.executable, '-c', _STEP_IN_A_PROCESS, config_name,
+         *map(str, train_bench.SHAPES[config_name]), str(repeats)],
+        check=True, capture_output=True, text=True, env=env)
+    return float(done.stdout.split()[-1])
 
-  def separate(kernels, x):
-    return sum(jnp.sum(jnp.tanh(x @ k)) for k in kernels)
-
-  def fused(kernels, x):
-    qkv = x @ jnp.concatenate(kernels, axis=1)
-    return sum(jnp.sum(jnp.tanh(part)) for part in jnp.split(qkv, 3, axis=1))
-
-  on, off = (jax.jit(jax.grad(f, argnums=(0, 1))) for f in (fused, separate))
-  return compare(lambda: jax.block_until_ready(on(kernels, x)),
-                 lambda: jax.block_until_ready(off(kernels, x)), repeats)
-
-
-def scan_layers(repeats) -> dict:
-  """The base training step (16 x 64) compiled and run with scan_layers."""
-  config, host = _one_batch('base', get_config('base'))
-  rng = jax.random.key(1)
-  compile_s, steps = {}, {}
-  for name, scan in (('with', True), ('without', False)):
-    steps[name], compile_s[name] = _blocking_train_step(
-        config.replace(scan_layers=scan), host, rng)
-  return {
-      'compile': {
-          'with_s': compile_s['with'], 'without_s': compile_s['without'],
-          'speedup': compile_s['without'] / compile_s['with']},
-      'step': compare(steps['with'], steps['without'], repeats)}
+  with_s = best_step_s(common.KEEP_FREED_MEMORY)
+  without_s = best_step_s(None)
+  return {'with_s': with_s, 'without_s': without_s,
+          'speedup': without_s / with_s}
 
 
 def compilation_cache(repeats):
@@ -385,7 +231,7 @@ def compilation_cache(repeats):
 
 def _copy_training_loop(steps: int, wait: str):
   """A blocking run of `steps` copy-task training steps, made as in
-  experiment.train: each step dispatched with its batch, metrics kept.
+  loop.train: each step dispatched with its batch, metrics kept.
 
   wait: what follows each dispatch: 'nothing' (every step's metrics fetched
   at the end, as at a log), 'fetch' (the step's metrics fetched at once) or
@@ -483,50 +329,6 @@ def bounded_shapes(data_dir: str) -> dict:
               'without': sum(n * length for n, length in own)}}
 
 
-# Best-of-`repeats` training-step seconds in a fresh process, malloc kept or
-# not (argv: with|without, config name, batch, length, repeats); it must not
-# import benchmarks/common.py, which keeps freed memory on import.
-_STEP_IN_A_PROCESS = """
-import sys
-from flaxformer_mini import host_memory
-if sys.argv[1] == 'with':
-  host_memory.keep_freed_memory()
-import functools, time
-import jax, numpy as np
-from flaxformer_mini.config import get_config
-from flaxformer_mini.masks import make_batch
-from flaxformer_mini.training import create_train_state, train_step
-batch, length = int(sys.argv[3]), int(sys.argv[4])
-config = get_config(sys.argv[2]).replace(batch_size=batch, dropout_rate=0.1)
-ids = np.random.default_rng(0).integers(
-    3, config.src_vocab_size, (batch, length + 1)).astype(np.int32)
-ids[:, 0] = config.bos_id
-batch = make_batch(ids[:, 1:], ids, config)
-step = jax.jit(functools.partial(train_step, config=config), donate_argnums=0)
-state, rng = create_train_state(config, jax.random.key(0)), jax.random.key(1)
-times = []
-for _ in range(int(sys.argv[5]) + 1):
-  start = time.perf_counter()
-  state, metrics = step(state, batch, rng)
-  jax.block_until_ready((state, metrics))
-  times.append(time.perf_counter() - start)
-print(min(times[1:]))
-"""
-
-
-def keep_freed_memory(config_name: str, repeats: int) -> dict:
-  def best_step_s(mode):
-    done = subprocess.run(
-        [sys.executable, '-c', _STEP_IN_A_PROCESS, mode, config_name,
-         *map(str, train_bench.SHAPES[config_name]), str(repeats)],
-        check=True, capture_output=True, text=True)
-    return float(done.stdout.split()[-1])
-
-  with_s, without_s = best_step_s('with'), best_step_s('without')
-  return {'with_s': with_s, 'without_s': without_s,
-          'speedup': without_s / with_s}
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='small', choices=['small', 'base'])
@@ -540,31 +342,16 @@ def main():
   config = get_config(args.config).replace(dropout_rate=0.1, max_len=64)
   # Whole training steps and loops take longer per run: fewer repeats.
   few = max(3, args.repeats // 3)
-  scanned = functools.cache(lambda: scan_layers(few))  # one run, two levers
   levers = {
-      'cross_attention_memory':
-          (lambda: cross_attention_memory(config, args.repeats), True),
-      'beams_share_memory':
-          (lambda: beams_share_memory(config, args.repeats), True),
-      'two_stage_top_k': (lambda: two_stage_top_k(config, args.repeats),
-                          False),
-      'two_reduction_argmax':
-          (lambda: two_reduction_argmax(config, args.repeats), True),
+      'cpu_kernels': (lambda: cpu_kernels(args.config, few), 'option'),
+      'cross_attention_kv':
+          (lambda: cross_attention_kv(config, args.repeats), True),
       'closed_form_loss': (lambda: closed_form_loss(config, args.repeats),
                            True),
-      'tied_logits_vjp': (lambda: tied_logits_vjp(config, args.repeats),
-                          True),
       'donated_state': (lambda: donated_state(config, args.repeats), True),
-      'fused_qkv': (lambda: fused_qkv(config, args.repeats), False),
-      'dense_weight_gradient':
-          (lambda: dense_weight_gradient(args.config, few), True),
-      'table_major_logits': (lambda: table_major_logits(few), True),
-      'compilation_cache': (lambda: compilation_cache(args.repeats), True),
-      'fused_attention': (lambda: fused_attention(config, few), 'option'),
-      'scan_layers_compile': (lambda: scanned()['compile'], 'option'),
-      'scan_layers_step': (lambda: scanned()['step'], 'option'),
       'keep_freed_memory':
-          (lambda: keep_freed_memory(args.config, args.repeats), True),
+          (lambda: keep_freed_memory(args.config, args.repeats), 'option'),
+      'compilation_cache': (lambda: compilation_cache(args.repeats), True),
       'metrics_on_device': (lambda: metrics_on_device(few), True),
       'batches_during_step': (lambda: batches_during_step(few), True),
       'bounded_shapes': (lambda: bounded_shapes(args.data_dir), True),

@@ -1,24 +1,23 @@
-"""Runs every benchmark and writes their table into the README.
+"""Runs every benchmark and writes their tables into the README and docs/.
 
-  python benchmarks/run_all.py            # prints the JSON list, updates README.md
-  python benchmarks/run_all.py --no_readme --json results.json
-  python benchmarks/run_all.py --from_json results.json   # table only
+  python benchmarks/run_all.py            # prints the JSON list, writes tables
+  python benchmarks/run_all.py --no_tables --json results.json
+  python benchmarks/run_all.py --from_json results.json   # tables only
 
-Two suites: `cpu` (the issue's float32 shapes, the copy task and the levers)
-and `accelerator` (bfloat16 on a GPU or TPU: the base step at the issue's
-batch and at a batch that fills the chip, float32 at that batch, bfloat16
-decoding, the copy task, the levers whose worth depends on the accelerator
-and, on a GPU, the bfloat16 step at that batch with cuDNN's fused
-attention); the default is the suite of the backend JAX
-finds. Results measured on another machine come into the README with
---from_json.
+Two suites: `cpu` (float32: the training step and decoding of `small` and
+`base` against the Flax WMT example, plain and with --cpu_kernels, the copy
+task, the levers) and `accelerator` (bfloat16 on a GPU or TPU: the base step
+at the paper's shapes and at a batch that fills the chip, decoding, the copy
+task, the levers whose worth depends on the accelerator); the default is the
+suite of the backend JAX finds. Results measured on another machine come in
+with --from_json.
 
 Each benchmark runs in its own process (as a user would run it), so no
-compile cache or allocator state leaks from one into the next. The matmul
-peak is measured first and passed to the training benchmarks, so one run
-has one MFU denominator. Each suite's table sits between its own markers in the
-README: <!-- benchmarks:start --> ... <!-- benchmarks:end --> for `cpu`,
-<!-- benchmarks-accelerator:start --> ... for `accelerator`.
+compile cache or allocator state leaks from one into the next; in the CPU
+suite each starts with common.KEEP_FREED_MEMORY in GLIBC_TUNABLES. The matmul peak is
+measured first and passed to the training benchmarks, so one run has one MFU
+denominator. Each table sits between its own markers: the CPU speed table in
+the README, the CPU levers and the accelerator tables in docs/performance.md.
 """
 
 import argparse
@@ -28,26 +27,37 @@ import subprocess
 import sys
 from typing import Iterator
 
+import common
 from train_step import SHAPES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-README = os.path.join(os.path.dirname(HERE), 'README.md')
-MARKERS = {
-    'cpu': ('<!-- benchmarks:start -->', '<!-- benchmarks:end -->'),
-    'accelerator': ('<!-- benchmarks-accelerator:start -->',
+ROOT = os.path.dirname(HERE)
+README = os.path.join(ROOT, 'README.md')
+PERFORMANCE = os.path.join(ROOT, 'docs', 'performance.md')
+# (file, markers) of each table: the suite's speed table, and its levers.
+TABLES = {
+    'cpu': (README, '<!-- benchmarks:start -->', '<!-- benchmarks:end -->'),
+    'cpu-levers': (PERFORMANCE, '<!-- levers:start -->', '<!-- levers:end -->'),
+    'accelerator': (PERFORMANCE, '<!-- benchmarks-accelerator:start -->',
                     '<!-- benchmarks-accelerator:end -->'),
 }
 # Sentences per batch that fill a GPU or TPU with the base model: 256 x 64
-# source tokens, about the paper's ~25k tokens per step over its 8 GPUs
-# (the issue's 16 x 64 leaves an accelerator waiting on kernel launches).
+# source tokens, about the paper's ~25k tokens per step over its 8 GPUs.
 ACCELERATOR_BATCH = 256
 
 
-def run(script: str, *flags: str) -> dict:
+def run(script: str, *flags: str, env: dict | None = None) -> dict:
   # stderr passes through, so a benchmark that fails says why.
   output = subprocess.run([sys.executable, os.path.join(HERE, script), *flags],
-                          check=True, stdout=subprocess.PIPE, text=True).stdout
+                          check=True, stdout=subprocess.PIPE, text=True,
+                          env=env).stdout
   return json.loads(output)
+
+
+def run_on_cpu(script: str, *flags: str) -> dict:
+  """run(), with glibc keeping each step's freed host buffers (common.py)."""
+  return run(script, *flags, env={**os.environ,
+                                  'GLIBC_TUNABLES': common.KEEP_FREED_MEMORY})
 
 
 def _peaks(peak: dict) -> str:
@@ -58,6 +68,7 @@ def _peaks(peak: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
+  """The speed table: training steps, decoding, the copy task."""
   peak, *rest = results
   env = peak['environment']
   where = (f"{env['cpu_count']} CPU cores ({env['machine']}" if
@@ -69,22 +80,19 @@ def table(results: list[dict]) -> str:
       f"`python benchmarks/run_all.py`. Matmul peak: {_peaks(peak)}.",
       '',
       '| benchmark | config | variant | compile s | step s | tokens/s | '
-      'target tokens/s | GFLOP/step | MFU | Flax WMT: compile s, step s, '
-      'MFU | speed-up |',
-      '|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|',
+      'MFU | Flax WMT: step s | speed-up (90 % interval) |',
+      '|---|---|---|---:|---:|---:|---:|---:|---:|',
   ]
   for r in rest:
     if r['benchmark'] == 'train_step':
       lines.append(
           f"| train step | {r['config']} | {_variant(r)} | "
-          f"{r['compile_s']:.1f} | "
-          f"{r['step_s']:.4g} | {r['tokens_per_s']:,.0f} | "
-          f"{r['target_tokens_per_s']:,.0f} | {r['gflop_per_step']:.1f} | "
-          f"{r['mfu']:.0%} | {_baseline(r)} |")
-  lines += ['', '| benchmark | config | search | compile s | first call s | '
-            'step s | sentences/s | generated tokens/s | Flax WMT: '
-            'sentences/s | speed-up |',
-            '|---|---|---|---:|---:|---:|---:|---:|---:|---:|']
+          f"{r['compile_s']:.1f} | {r['step_s']:.4g} | "
+          f"{r['tokens_per_s']:,.0f} | {r['mfu']:.0%} | {_baseline(r)} |")
+  lines += ['', '| benchmark | config | search | compile s | step s | '
+            'sentences/s | generated tokens/s | Flax WMT: sentences/s | '
+            'speed-up (90 % interval) |',
+            '|---|---|---|---:|---:|---:|---:|---:|---:|']
   for r in rest:
     if r['benchmark'] == 'decode':
       for d in r['runs']:
@@ -93,31 +101,39 @@ def table(results: list[dict]) -> str:
           search += f", {r['dtype']}"
         lines.append(
             f"| decode | {r['config']} | {search} | {d['compile_s']:.1f} | "
-            f"{d['first_call_s']:.1f} | {d['step_s'] * 1e3:.1f} ms | "
-            f"{d['sentences_per_s']:.0f} | {d['generated_tokens_per_s']:,.0f} | "
-            f"{_decode_baseline(d)} |")
-  lines += _annotated_table(rest)
+            f"{d['step_s'] * 1e3:.1f} ms | {d['sentences_per_s']:.0f} | "
+            f"{d['generated_tokens_per_s']:,.0f} | {_decode_baseline(d)} |")
   for r in rest:
     if r['benchmark'] == 'copy_task':
       run_ = r['runs'][0]
       lines += ['', f"Copy task (`python train.py --task=copy`, process start "
                 f"to exit): {run_['wall_s']:.1f} s, exact match "
                 f"{run_['exact_match']:.0%} after {run_['steps']} steps."]
-    if r['benchmark'] == 'levers':
-      lines += ['', '| lever | with s | without s | speed-up | kept |',
-                '|---|---:|---:|---:|---|']
-      for name, lever in r['levers'].items():
-        if 'not_run' in lever:
-          lines.append(f"| {name} | not run: {lever['not_run']} | | | |")
-          continue
-        lines.append(f"| {name} | {lever['with_s']:.4f} | "
-                     f"{lever['without_s']:.4f} | {lever['speedup']:.2f}x | "
-                     f"{_kept(lever['kept'])} |")
-      memory = r['levers'].get('donated_state', {}).get('memory_mb')
-      if memory:
-        lines += ['', f"The donated step's buffers take {memory['with']:,.0f} "
-                  f"MiB at once, against {memory['without']:,.0f} MiB without "
-                  "donation (XLA's buffer assignment, `small` step)."]
+  return '\n'.join(lines)
+
+
+def lever_table(results: list[dict]) -> str:
+  """The levers: each with and without, and whether the project keeps it."""
+  lines = []
+  for r in results:
+    if r['benchmark'] != 'levers':
+      continue
+    lines += [f"`python benchmarks/levers.py --config={r['config']}`, "
+              f"{r['environment']['date']}, {r['environment']['backend']}:",
+              '', '| lever | with s | without s | speed-up | kept |',
+              '|---|---:|---:|---:|---|']
+    for name, lever in r['levers'].items():
+      if 'not_run' in lever:
+        lines.append(f"| {name} | not run: {lever['not_run']} | | | |")
+        continue
+      lines.append(f"| {name} | {lever['with_s']:.4f} | "
+                   f"{lever['without_s']:.4f} | {lever['speedup']:.2f}x | "
+                   f"{_kept(lever['kept'])} |")
+    memory = r['levers'].get('donated_state', {}).get('memory_mb')
+    if memory:
+      lines += ['', f"The donated step's buffers take {memory['with']:,.0f} "
+                f"MiB at once, against {memory['without']:,.0f} MiB without "
+                "donation (XLA's buffer assignment, `small` step)."]
   return '\n'.join(lines)
 
 
@@ -126,48 +142,22 @@ def _kept(kept) -> str:
   return {True: 'yes', False: 'no'}.get(kept, kept)
 
 
-def _annotated_table(rest: list[dict]) -> list[str]:
-  """Rows against the Annotated Transformer, where it ran."""
-  rows = []
-  for r in rest:
-    if r['benchmark'] == 'train_step':
-      theirs = r.get('annotated_transformer', {})
-      if 'step_s' in theirs:
-        rows.append(f"| train step | {r['config']} | {_variant(r)} | "
-                    f"{theirs['step_s']:.4g} s, MFU {theirs['mfu']:.0%} | "
-                    f"{_speedup(theirs)} |")
-    if r['benchmark'] == 'decode':
-      for d in r['runs']:
-        theirs = d.get('annotated_transformer', {})
-        if 'decode_s' in theirs:
-          rows.append(f"| decode | {r['config']} | greedy | "
-                      f"{theirs['sentences_per_s']:.1f} sentences/s | "
-                      f"{theirs['speedup']:.2f}x |")
-  if not rows:
-    return []
-  return ['', '| against the Annotated Transformer (PyTorch) | config | '
-          'variant | its figure | speed-up |', '|---|---|---|---:|---:|',
-          *rows]
-
-
 def _variant(r: dict) -> str:
-  """'full', or 'full, 256 sentences, bfloat16, cudnn attention' where they differ."""
+  """'full', or 'full, 256 sentences, bfloat16, cpu_kernels' where they differ."""
   parts = [r['pad']]
   if r['batch'] != SHAPES[r['config']][0]:
     parts.append(f"{r['batch']} sentences")
   if r.get('dtype', 'float32') != 'float32':
     parts.append(r['dtype'])
-  if r.get('attention_implementation', 'explicit') != 'explicit':
-    parts.append(f"{r['attention_implementation']} attention")
+  if r.get('cpu_kernels'):
+    parts.append('--cpu_kernels')
   return ', '.join(parts)
 
 
 def _baseline(r: dict) -> str:
   if 'flax_wmt' not in r:
     return '(not run) | —'
-  theirs = r['flax_wmt']
-  return (f"{theirs['compile_s']:.1f}, {theirs['step_s']:.4g}, "
-          f"{theirs['mfu']:.0%} | {_speedup(r)}")
+  return f"{r['flax_wmt']['step_s']:.4g} | {_speedup(r)}"
 
 
 def _decode_baseline(d: dict) -> str:
@@ -190,13 +180,13 @@ def _speedup(r: dict) -> str:
 def cpu_suite(peak: dict) -> Iterator[dict]:
   peak_flag = f"--peak_gflops={peak['peak_gflops']['float32']}"
   for config in ('small', 'base'):
-    for pad in ('full', 'pad20'):
-      yield run('train_step.py', f'--config={config}', f'--pad={pad}',
-                peak_flag)
+    yield run_on_cpu('train_step.py', f'--config={config}', peak_flag)
+    yield run_on_cpu('train_step.py', f'--config={config}', '--cpu_kernels',
+                     peak_flag)
   for config in ('small', 'base'):
-    yield run('decode.py', f'--config={config}', '--beam', '1', '4')
-  yield run('copy_task.py')
-  yield run('levers.py')
+    yield run_on_cpu('decode.py', f'--config={config}', '--beam', '1', '4')
+  yield run('copy_task.py')  # train.py as a user runs it
+  yield run_on_cpu('levers.py')
 
 
 def accelerator_suite(peak: dict) -> Iterator[dict]:
@@ -207,7 +197,6 @@ def accelerator_suite(peak: dict) -> Iterator[dict]:
   batch = f'--batch={ACCELERATOR_BATCH}'
   yield base_step('bfloat16')
   yield base_step('bfloat16', batch)
-  # The baseline's bfloat16 rows are the comparison.
   yield base_step('float32', batch, '--no_baseline')
   yield run('decode.py', '--config=base', '--dtype=bfloat16',
             '--beam', '1', '4')
@@ -216,38 +205,34 @@ def accelerator_suite(peak: dict) -> Iterator[dict]:
   # overlap with the step, and the memory donation saves.
   yield run('levers.py', '--only', 'donated_state', 'metrics_on_device',
             'batches_during_step', '--repeats=6')
-  if peak['environment']['backend'] == 'gpu':
-    # cuDNN's fused attention, against the bfloat16 step at the same batch;
-    # last, so that the rest is measured even where cuDNN refuses the shapes.
-    yield base_step('bfloat16', batch, '--attention_implementation=cudnn',
-                    '--no_baseline')
 
 
 SUITES = {'cpu': cpu_suite, 'accelerator': accelerator_suite}
 
 
-def write_readme(suite: str, results: list[dict]) -> None:
-  start, end = MARKERS[suite]
-  with open(README) as f:
+def write_table(name: str, content: str) -> None:
+  """Replaces the text between table `name`'s markers in its file."""
+  path, start, end = TABLES[name]
+  with open(path) as f:
     text = f.read()
   if start not in text or end not in text:
-    sys.exit(f'{README} has no {start} ... {end} markers for the table.')
+    sys.exit(f'{path} has no {start} ... {end} markers for the table.')
   head, rest = text.split(start, 1)
   _, tail = rest.split(end, 1)
-  with open(README, 'w') as f:
-    f.write(f'{head}{start}\n{table(results)}\n{end}{tail}')
+  with open(path, 'w') as f:
+    f.write(f'{head}{start}\n{content}\n{end}{tail}')
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument('--suite', choices=sorted(MARKERS),
+  parser.add_argument('--suite', choices=sorted(SUITES),
                       help="default: 'cpu' on a CPU backend, else "
                       "'accelerator'")
-  parser.add_argument('--no_readme', action='store_true')
+  parser.add_argument('--no_tables', action='store_true',
+                      help='write no table into the README or docs/')
   parser.add_argument('--json', help='also write the results to this file')
   parser.add_argument('--from_json',
-                      help='write the README table of saved results; run '
-                      'nothing')
+                      help='write the tables of saved results; run nothing')
   args = parser.parse_args()
   if args.from_json:
     with open(args.from_json) as f:
@@ -264,8 +249,10 @@ def main():
         with open(args.json, 'w') as f:
           json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))
-  if not args.no_readme:
-    write_readme(suite, results)
+  if not args.no_tables:
+    write_table(suite, table(results))
+    if suite == 'cpu':
+      write_table('cpu-levers', lever_table(results))
 
 
 if __name__ == '__main__':

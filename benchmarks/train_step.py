@@ -1,10 +1,9 @@
 """Training-step throughput and MFU of the project's real training step.
 
   python benchmarks/train_step.py --config small --pad full
+  python benchmarks/train_step.py --config small --cpu_kernels   # the CPU seam
   python benchmarks/train_step.py --config base --pad pad20 --peak_gflops 90
   python benchmarks/train_step.py --config base --dtype bfloat16 --batch 256
-  python benchmarks/train_step.py --config base --dtype bfloat16 --batch 256 \
-      --attention_implementation cudnn   # a GPU's fused attention
 
 The step is the one `train.py` runs: `DataParallel.train_step` over every
 device (label-smoothed KL with eps 0.1, dropout 0.1, Adam + the Noam
@@ -22,13 +21,10 @@ positions + 4 x batch x d_model x layers x (Ls^2 + Lt^2 + Lt Ls), over all
 positions, pad included. MFU divides by the measured matmul peak
 (benchmarks/peak.py; measured here unless --peak_gflops is given).
 
-The Flax WMT example's model (benchmarks/flax_wmt.py) and, on a CPU with
-PyTorch installed, the Annotated Transformer (benchmarks/annotated_transformer.py)
-run on the same batches in the same process, their steps interleaved with
-ours so that all see the same machine; each baseline's `speedup` is its median
-step time over ours, with a 90 % bootstrap interval (common.speedup; the
-top-level ones are the Flax WMT example's).
---no_baseline skips them.
+The Flax WMT example's model (benchmarks/flax_wmt.py) runs on the same
+batches in the same process, its steps interleaved with ours so that both see
+the same machine; `speedup` is its median step time over ours, with a 90 %
+bootstrap interval (common.speedup). --no_baseline skips it.
 """
 
 import argparse
@@ -38,13 +34,11 @@ import time
 import jax
 import numpy as np
 
-from flaxformer_mini.attention import check_backend
-from flaxformer_mini.config import ATTENTION_IMPLEMENTATIONS, get_config
+from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import make_batch
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
 
-import annotated_transformer
 import common
 import flax_wmt
 import peak
@@ -109,28 +103,14 @@ def blocking_run(step, state, batches, rng, compile_s: float | None) -> dict:
   return {'advance': advance, 'compile_s': compile_s}
 
 
-def _baselines(config, host_batches, init_rng, dropout_rng) -> dict:
-  """The Flax WMT example's run and, on a CPU, the Annotated Transformer's."""
+def _baseline(config, host_batches, init_rng, dropout_rng) -> dict:
+  """The Flax WMT example's run on the same batches."""
   models, _ = flax_wmt.load()
   state = flax_wmt.create_state(models, config, init_rng)
   batches = [jax.device_put(b) for b in host_batches]
   step, compile_s = compile_timed(flax_wmt.jitted_train_step(config), state,
                                   batches[0], dropout_rng)
-  runs = {'flax_wmt': blocking_run(step, state, batches, dropout_rng,
-                                   compile_s)}
-  why_not = annotated_transformer.unavailable()
-  if why_not:
-    runs['annotated_transformer'] = {'not_run': why_not}
-  else:
-    ns = annotated_transformer.load()
-    torch_step = annotated_transformer.train_step_fn(ns, config)
-    torch_batches = itertools.cycle([
-        annotated_transformer.torch_batch(ns, b, config.pad_id)
-        for b in host_batches])
-    runs['annotated_transformer'] = {
-        'advance': lambda: torch_step(next(torch_batches)),
-        'compile_s': None}  # eager: nothing to compile
-  return runs
+  return blocking_run(step, state, batches, dropout_rng, compile_s)
 
 
 def measure(config, batch: int, length: int, pad: str, steps: int,
@@ -145,9 +125,8 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
                                   dropout_rng)
   runs = {'ours': blocking_run(step, state, batches, dropout_rng, compile_s)}
   if baseline:
-    runs.update(_baselines(config, host_batches, init_rng, dropout_rng))
-  advances = {name: run['advance'] for name, run in runs.items()
-              if 'advance' in run}
+    runs['flax_wmt'] = _baseline(config, host_batches, init_rng, dropout_rng)
+  advances = {name: run['advance'] for name, run in runs.items()}
   common.interleaved_seconds(advances, 2)  # warm-up
   times = common.interleaved_seconds(advances, steps)
 
@@ -166,17 +145,9 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
   result = {**figures('ours'), 'gflop_per_step': flops / 1e9,
             'peak_gflops': peak_gflops,
             'padding': 1 - real / (2 * batch * length)}
-  for name, run in runs.items():
-    if name == 'ours':
-      continue
-    if name not in advances:
-      result[name] = {'not_run': run['not_run']}
-      continue
-    result[name] = {**figures(name),
-                    **common.speedup(times[name], times['ours'])}
-  if baseline:  # the issue's headline ratio: against the Flax WMT example
-    result['speedup'] = result['flax_wmt']['speedup']
-    result['speedup_interval'] = result['flax_wmt']['speedup_interval']
+  if baseline:
+    result['flax_wmt'] = figures('flax_wmt')
+    result.update(common.speedup(times['flax_wmt'], times['ours']))
   return result
 
 
@@ -191,31 +162,24 @@ def main():
                       help="sentences per batch (default: the config's shape)")
   parser.add_argument('--dtype', default='float32',
                       choices=['float32', 'bfloat16'])
-  parser.add_argument('--attention_implementation', default='explicit',
-                      choices=list(ATTENTION_IMPLEMENTATIONS),
-                      help="ours only: 'xla' or 'cudnn' attend through "
-                      'jax.nn.dot_product_attention')
+  parser.add_argument('--cpu_kernels', action='store_true',
+                      help='ours only: config.cpu_kernels (cpu_kernels.py)')
   parser.add_argument('--no_baseline', action='store_true',
-                      help="skip the baselines' steps")
+                      help="skip the Flax WMT example's steps")
   parser.add_argument('--peak_gflops', type=float,
                       help='the matmul peak for MFU (default: measure it)')
   args = parser.parse_args()
   batch, length = SHAPES[args.config]
   batch = args.batch or batch
-  try:
-    config = get_config(args.config).replace(
-        dropout_rate=args.dropout, label_smoothing=0.1, batch_size=batch,
-        max_len=max(length + 1, 64), dtype=args.dtype,
-        attention_implementation=args.attention_implementation)
-    check_backend(config)
-  except ValueError as e:
-    parser.error(str(e))
+  config = get_config(args.config).replace(
+      dropout_rate=args.dropout, label_smoothing=0.1, batch_size=batch,
+      max_len=max(length + 1, 64), dtype=args.dtype,
+      cpu_kernels=args.cpu_kernels)
   peak_gflops = args.peak_gflops or peak.measure()['peak_gflops'][args.dtype]
   common.emit({'benchmark': 'train_step', 'config': args.config,
                'pad': args.pad, 'batch': batch, 'length': length,
                'dropout': args.dropout,
-               'dtype': args.dtype,
-               'attention_implementation': args.attention_implementation,
+               'dtype': args.dtype, 'cpu_kernels': args.cpu_kernels,
                **measure(config, batch, length, args.pad, args.steps,
                          peak_gflops, not args.no_baseline)})
 

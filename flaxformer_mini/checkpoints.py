@@ -1,31 +1,29 @@
-"""Checkpoints with orbax: save, resume exactly, average, load params only.
+"""Checkpoints with orbax: save, resume exactly, verify, average, load params only.
 
 A training checkpoint is one orbax step directory with three items:
   params     the model parameters (StandardSave),
   opt_state  Adam's state (StandardSave),
-  meta       JSON: step, config, the dropout key, the data position.
+  meta       JSON: step, config, the dropout key, the data position, and a
+             CRC-32 of every saved array.
 The data position is the step itself: every batch source of this project is a
 pure function of (seed, step), so a resumed run sees exactly the batches the
-uninterrupted run would have seen.
+uninterrupted run would have seen. The checksums are verified on restore, so
+a checkpoint whose bytes changed on disk is refused, not silently used.
+
+Averaged parameters (WORKDIR/averaged) are the same kind of directory with
+only `params` and `meta`.
 
 orbax writes each step into a temporary directory and renames it when it is
 complete, so a process killed mid-write leaves the earlier steps readable;
 leftover temporary directories are removed when the next run opens the
 directory. Saving is asynchronous: the arrays are copied off the device, then
 written in the background while training goes on.
-
-Run `python -m flaxformer_mini.checkpoints average --workdir DIR --last K` to
-average the parameters of the last K checkpoints (the paper averages the last
-5 for base models, the last 20 for big ones).
 """
 
-import argparse
 import dataclasses
-import json
 import logging
 import os
-import sys
-import time
+import zlib
 
 import jax
 import numpy as np
@@ -36,18 +34,23 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.training import TrainState, init_params
 
 # Fields that may change between a run and its resumption: how long and how
-# often to log, evaluate and save, how the step is mapped over devices, and
-# which kernel computes attention (the same parameters and function).
+# often to log, evaluate and save, and how the step is mapped over devices.
 RESUMABLE_FIELDS = frozenset({
     'train_steps', 'max_train_minutes', 'log_every', 'eval_every',
-    'checkpoint_every', 'keep_checkpoints', 'parallel',
-    'attention_implementation'})
+    'checkpoint_every', 'keep_checkpoints', 'parallel', 'cpu_kernels',
+    'average_last'})
+CHECKPOINTS_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
 
 
-# orbax warns at every save without an evaluation score; most saves have none.
-logging.getLogger('absl').addFilter(
-    lambda record: 'tracked_metric' not in record.getMessage())
+class _NoTrackedMetricWarning(logging.Filter):
+  """orbax warns at every save without an evaluation score; most have none."""
+
+  def filter(self, record):
+    return 'tracked_metric' not in record.getMessage()
+
+
+_QUIET = _NoTrackedMetricWarning()
 
 
 class CheckpointError(RuntimeError):
@@ -55,11 +58,27 @@ class CheckpointError(RuntimeError):
 
 
 def config_differences(saved: dict, config: TransformerConfig) -> list[str]:
-  """'field: saved -> now' for each field that a resumed run may not change."""
+  """'field: saved -> now' for each field that a resumed run may not change.
+
+  A field the saved config lacks (written before the field existed) counts
+  as its default.
+  """
   now = dataclasses.asdict(config)
-  return [f'{name}: {saved.get(name)!r} -> {value!r}'
+  defaults = dataclasses.asdict(TransformerConfig())
+  return [f'{name}: {saved.get(name, defaults[name])!r} -> {value!r}'
           for name, value in now.items()
-          if name not in RESUMABLE_FIELDS and saved.get(name) != value]
+          if name not in RESUMABLE_FIELDS and
+          saved.get(name, defaults[name]) != value]
+
+
+def checksums(tree) -> dict[str, int]:
+  """{leaf path: CRC-32 of its bytes} of a pytree of (replicated) arrays."""
+  def host(leaf):
+    if isinstance(leaf, jax.Array):
+      leaf = leaf.addressable_data(0)  # this process's full copy
+    return np.ascontiguousarray(np.asarray(leaf))
+  return {jax.tree_util.keystr(path): zlib.crc32(host(leaf).tobytes())
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _shape_mismatches(saved_tree, expected_tree) -> list[str]:
@@ -84,10 +103,18 @@ def _abstract(tree, sharding):
       tree)
 
 
+def _replicated():
+  """A full copy on every device: where restored arrays go by default."""
+  return jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.array(jax.devices()), ('data',)),
+      jax.sharding.PartitionSpec())
+
+
 class Checkpoints:
   """The checkpoints of one run: keeps the last `keep` and the best one.
 
-  `save` is asynchronous; `wait` blocks until every save is on disk.
+  `save` is asynchronous; `wait` blocks until every save is on disk. Use it
+  as a context manager (or call `close`), so that orbax's threads end.
   """
 
   def __init__(self, directory: str, keep: int = 3):
@@ -98,6 +125,7 @@ class Checkpoints:
             get_metric_fn=lambda metrics: metrics['score'], n=1,
             keep_checkpoints_without_metrics=False),
     ])
+    logging.getLogger('absl').addFilter(_QUIET)  # added once, however often
     self.manager = ocp.CheckpointManager(
         self.directory,
         item_handlers={'params': ocp.StandardCheckpointHandler(),
@@ -110,7 +138,14 @@ class Checkpoints:
             best_fn=lambda metrics: metrics['score'], best_mode='max',
             enable_async_checkpointing=True))
 
+  def __enter__(self) -> 'Checkpoints':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def steps(self) -> list[int]:
+    """The complete steps on disk, oldest first."""
     return sorted(self.manager.all_steps())
 
   def latest_step(self) -> int | None:
@@ -130,7 +165,9 @@ class Checkpoints:
     """Starts saving `state` as `step` (with an evaluation score, if any)."""
     meta = {'step': step, 'config': dataclasses.asdict(config),
             'rng': np.asarray(jax.random.key_data(rng)).tolist(),
-            'data_position': {'step': step}}
+            'data_position': {'step': step},
+            'checksums': {'params': checksums(state.params),
+                          'opt_state': checksums(state.opt_state)}}
     self.manager.save(
         step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
@@ -139,31 +176,44 @@ class Checkpoints:
         metrics=None if score is None else {'score': float(score)},
         force=True)
 
+  def save_params(self, step: int, params, config: TransformerConfig,
+                  note: dict) -> None:
+    """Saves parameters alone (e.g. averaged ones) as `step`, with `note`."""
+    meta = {'step': step, 'config': dataclasses.asdict(config),
+            'checksums': {'params': checksums(params)}, **note}
+    if step in self.manager.all_steps():  # e.g. averaged again after a rerun
+      self.manager.delete(step)
+    self.manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
+                      force=True)
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
   def read_meta(self, step: int) -> dict:
+    """The meta item of `step`; CheckpointError if it cannot be read."""
     try:
       return self.manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))['meta']
     except Exception as e:  # pylint: disable=broad-except
-      raise self._unreadable(step, e) from e
+      raise self._unreadable(step, e) from None
 
-  def _unreadable(self, step: int, error: Exception) -> CheckpointError:
+  def _unreadable(self, step: int, error: Exception | str) -> CheckpointError:
     earlier = [s for s in self.steps() if s < step]
-    fallback = (f'move {self.step_path(step)} away to resume from step '
-                f'{earlier[-1]}' if earlier else
+    fallback = (f'move {self.step_path(step)} away to use step {earlier[-1]}'
+                if earlier else
                 f'remove {self.step_path(step)} (no earlier checkpoint)')
-    return CheckpointError(
-        f'checkpoint {self.step_path(step)} could not be read; it is truncated '
-        f'or corrupted ({type(error).__name__}: {str(error)[:300]}). To go '
-        f'on, {fallback}, or start again with --fresh.')
+    why = (error if isinstance(error, str) else
+           f'it is truncated or corrupted ({type(error).__name__}: '
+           f'{str(error)[:300]})')
+    return CheckpointError(f'checkpoint {self.step_path(step)} could not be '
+                           f'read; {why}. To go on, {fallback}.')
 
   def _check_shapes(self, step: int, item: str, expected) -> None:
     try:
       saved = self.manager.item_metadata(step)[item]
     except Exception as e:  # pylint: disable=broad-except
-      raise self._unreadable(step, e) from e
+      raise self._unreadable(step, e) from None
     saved_tree = saved.tree if hasattr(saved, 'tree') else saved
     problems = _shape_mismatches(saved_tree, expected)
     if problems:
@@ -171,16 +221,28 @@ class Checkpoints:
           f'checkpoint {self.step_path(step)} does not fit this model '
           f'({item}): ' + '; '.join(problems[:5]) +
           ('; ...' if len(problems) > 5 else '') +
-          '. Use the config it was written with, or start again with --fresh.')
+          '. Use the config it was written with.')
 
-  def restore(self, step: int, like: TrainState, sharding) -> tuple[
+  def _verify(self, step: int, meta: dict, restored: dict) -> None:
+    """Compares the restored arrays with the checksums saved in meta."""
+    for item, saved in meta.get('checksums', {}).items():
+      now = checksums(restored[item])
+      changed = sorted(k for k in saved if now.get(k) != saved[k])
+      if changed:
+        raise self._unreadable(
+            step, f'{len(changed)} array(s) of {item} differ from what was '
+            f'saved (first: {item}{changed[0]}): its files changed on disk')
+
+  def restore(self, step: int, like: TrainState, sharding=None) -> tuple[
       TrainState, dict]:
     """Restores step `step` into the structure of `like`.
 
-    The arrays are placed with `sharding` (e.g. replicated over the current
-    mesh), whatever devices wrote them: 8 devices restore on 1 and back.
-    Returns (state, meta).
+    The arrays are placed with `sharding` (default: replicated over every
+    device), whatever devices wrote them: 8 devices restore on 1 and back.
+    Returns (state, meta). Raises CheckpointError where the checkpoint does
+    not fit `like`, cannot be read, or differs from what was saved.
     """
+    sharding = sharding or _replicated()
     self._check_shapes(step, 'params', like.params)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
@@ -189,45 +251,62 @@ class Checkpoints:
               _abstract(like.opt_state, sharding)),
           meta=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
-      raise self._unreadable(step, e) from e
+      raise self._unreadable(step, e) from None
     meta = restored['meta']
+    self._verify(step, meta, restored)
     state = like.replace(step=meta['step'], params=restored['params'],
                          opt_state=restored['opt_state'])
     return state, meta
 
   def restore_params(self, step: int, like_params, sharding=None):
-    """Only the parameters of `step` (for inference)."""
+    """Only the parameters of `step` (for inference), verified."""
+    sharding = sharding or _replicated()
     self._check_shapes(step, 'params', like_params)
     try:
-      return self.manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(_abstract(like_params, sharding))
-      ))['params']
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(_abstract(like_params, sharding)),
+          meta=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
-      raise self._unreadable(step, e) from e
+      raise self._unreadable(step, e) from None
+    self._verify(step, {'checksums': {
+        'params': restored['meta'].get('checksums', {}).get('params', {})}},
+                 restored)
+    return restored['params']
 
   def close(self) -> None:
     self.manager.close()
 
 
-def set_aside(directory: str) -> str | None:
-  """Renames an existing checkpoint directory (for --fresh); returns the new name."""
+def read_run_config(workdir: str) -> TransformerConfig:
+  """The config a workdir's run was trained with, from its latest checkpoint.
+
+  Raises:
+    CheckpointError: the workdir holds no readable checkpoint.
+  """
+  directory = os.path.join(workdir, CHECKPOINTS_DIR)
   if not os.path.isdir(directory):
-    return None
-  target = f'{directory}.set-aside-{time.strftime("%Y%m%d-%H%M%S")}'
-  os.rename(directory, target)
-  return target
+    raise CheckpointError(f'--workdir={workdir} holds no checkpoints: train '
+                          'there with train.py first.')
+  with Checkpoints(directory) as checkpoints:
+    step = checkpoints.latest_step()
+    if step is None:
+      raise CheckpointError(f'{directory} holds no complete checkpoint.')
+    saved = checkpoints.read_meta(step)['config']
+  known = {f.name for f in dataclasses.fields(TransformerConfig)}
+  return TransformerConfig(**{k: v for k, v in saved.items() if k in known})
 
 
 def average_params(checkpoints: Checkpoints, last: int, like_params):
   """The mean of the parameters of the last `last` checkpoints.
 
-  Returns (params, the steps averaged).
+  Returns (params, the steps averaged). Raises CheckpointError where fewer
+  than `last` are on disk or one cannot be read.
   """
   steps = checkpoints.steps()[-last:]
   if len(steps) < last:
     raise CheckpointError(
-        f'--last={last}: only {len(steps)} checkpoint(s) in '
-        f'{checkpoints.directory} ({steps}); raise --keep_checkpoints or '
+        f'average_last={last}: only {len(steps)} checkpoint(s) in '
+        f'{checkpoints.directory} ({steps}); raise keep_checkpoints or '
         'average fewer.')
   total = None
   for step in steps:
@@ -239,72 +318,18 @@ def average_params(checkpoints: Checkpoints, last: int, like_params):
   return mean, steps
 
 
-def save_params(directory: str, params, config: TransformerConfig,
-                note: dict) -> None:
-  """Writes a params-only checkpoint (params + config.json) to `directory`."""
-  directory = os.path.abspath(directory)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(os.path.join(directory, 'params'), params, force=True)
-  with open(os.path.join(directory, 'config.json'), 'w') as f:
-    json.dump({'config': dataclasses.asdict(config), **note}, f, indent=2)
+def load_params(directory: str, config: TransformerConfig, step: int | None = None,
+                sharding=None):
+  """Parameters for inference from a run's checkpoints or averaged directory.
 
-
-def load_params(path: str, config: TransformerConfig, sharding=None):
-  """Parameters for inference from a params-only or a training checkpoint.
-
-  path: a directory written by `save_params` (e.g. WORKDIR/averaged), or a
-  run's checkpoint directory (WORKDIR/checkpoints: its latest step is used).
-  No optimizer state is read.
+  directory: WORKDIR/checkpoints or WORKDIR/averaged; its latest step unless
+  `step` is given. No optimizer state is read. Raises CheckpointError.
   """
-  like = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-  params_dir = os.path.join(os.path.abspath(path), 'params')
-  if os.path.isfile(os.path.join(path, 'config.json')):
-    with ocp.StandardCheckpointer() as checkpointer:
-      saved = checkpointer.metadata(params_dir)
-      saved_tree = saved.item_metadata if hasattr(
-          saved, 'item_metadata') else saved
-      saved_tree = saved_tree.tree if hasattr(saved_tree, 'tree') else saved_tree
-      problems = _shape_mismatches(saved_tree, like)
-      if problems:
-        raise CheckpointError(f'{params_dir} does not fit this model: ' +
-                              '; '.join(problems[:5]))
-      return checkpointer.restore(params_dir, _abstract(like, sharding))
-  if not os.path.isdir(path):
-    raise CheckpointError(f'no checkpoint at {path}: expected a run\'s '
-                          'checkpoints directory or a params-only directory.')
-  checkpoints = Checkpoints(path)
-  step = checkpoints.latest_step()
-  if step is None:
-    raise CheckpointError(f'{path} holds no complete checkpoint.')
-  return checkpoints.restore_params(step, like, sharding)
-
-
-def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(
-      prog='python -m flaxformer_mini.checkpoints',
-      description='Averages the parameters of a run\'s last K checkpoints '
-      'into WORKDIR/averaged, a params-only checkpoint for inference.')
-  parser.add_argument('command', choices=['average'])
-  parser.add_argument('--workdir', required=True)
-  parser.add_argument('--last', type=int, default=5)
-  args = parser.parse_args(argv)
-  directory = os.path.join(args.workdir, 'checkpoints')
   if not os.path.isdir(directory):
-    parser.error(f'--workdir={args.workdir}: no checkpoints directory there.')
-  checkpoints = Checkpoints(directory)
-  latest = checkpoints.latest_step()
-  if latest is None:
-    parser.error(f'{directory} holds no complete checkpoint.')
-  config = TransformerConfig(**checkpoints.read_meta(latest)['config'])
+    raise CheckpointError(f'no checkpoint at {directory}.')
   like = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
-  try:
-    params, steps = average_params(checkpoints, args.last, like)
-  except CheckpointError as e:
-    parser.error(str(e))
-  target = os.path.join(args.workdir, AVERAGED_DIR)
-  save_params(target, params, config, {'averaged_steps': steps})
-  print(f'averaged steps {steps} into {os.path.abspath(target)}')
-
-
-if __name__ == '__main__':
-  main(sys.argv[1:])
+  with Checkpoints(directory) as checkpoints:
+    step = checkpoints.latest_step() if step is None else step
+    if step is None:
+      raise CheckpointError(f'{directory} holds no complete checkpoint.')
+    return checkpoints.restore_params(step, like, sharding)

@@ -8,12 +8,13 @@ from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import DataParallel
 
 
-def held_out_loss(parallel: DataParallel, placed_params, batches: list[Batch]):
+def held_out_loss(parallel: DataParallel, placed_params,
+                  batches: list[Batch]) -> dict:
   """Mean loss per real target token over `batches`, and its perplexity.
 
-  Uses the data-parallel eval_step: metric sums over every device, added up
-  exactly over the batches. Returns {'loss', 'perplexity', 'accuracy',
-  'tokens'}.
+  placed_params: the parameters as `parallel.put_state` placed them. Uses the
+  data-parallel eval_step: metric sums over every device, added up exactly
+  over the batches. Returns {'loss', 'perplexity', 'accuracy', 'tokens'}.
   """
   sums = {'loss_sum': 0.0, 'ntokens': 0, 'correct': 0}
   for batch in batches:
@@ -28,11 +29,16 @@ def held_out_loss(parallel: DataParallel, placed_params, batches: list[Batch]):
           'tokens': int(sums['ntokens'])}
 
 
-def bleu(hypotheses: list[str], references: list[str]) -> tuple[float, str]:
-  """Corpus sacreBLEU of detokenized hypotheses against raw references.
+def bleu(hypotheses: list[str], references: list[str]) -> dict:
+  """Corpus sacreBLEU of detokenized hypotheses against the raw references.
 
-  Returns (score, the sacreBLEU signature that says how it was computed).
+  Returns {'bleu': cased BLEU, 'bleu_lowercase': the same on lowercased text
+  (what Multi30k papers report), 'signature', 'signature_lowercase'}: each
+  signature says exactly how its score was computed (tokenizer 13a).
   """
-  metric = sacrebleu.metrics.BLEU()
-  score = metric.corpus_score(hypotheses, [references])
-  return score.score, str(metric.get_signature())
+  scores = {}
+  for key, lowercase in (('', False), ('_lowercase', True)):
+    metric = sacrebleu.metrics.BLEU(lowercase=lowercase)
+    scores['bleu' + key] = metric.corpus_score(hypotheses, [references]).score
+    scores['signature' + key] = str(metric.get_signature())
+  return scores

@@ -4,35 +4,43 @@ Section 3.1: each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x)))
 (post-norm, the paper's choice). `pre_norm=True` switches to the common
 alternative x + Dropout(Sublayer(LayerNorm(x))), which trains more stably in
 deep stacks; the stacks then end with a final LayerNorm (see model.py).
+
+Shapes: dtype is config.dtype (float32, or bfloat16 for mixed precision).
 """
 
 from typing import Callable
 
 import flax.linen as nn
 
+from flaxformer_mini import cpu_kernels
 from flaxformer_mini.attention import MultiHeadAttention
 from flaxformer_mini.config import TransformerConfig
-from flaxformer_mini.linear import dense
 
 
 class FeedForward(nn.Module):
   """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position alike.
 
-  x: [batch, len, d_model] -> [batch, len, d_model], via [batch, len, d_ff].
+  x: dtype[batch, len, d_model] -> dtype[batch, len, d_model], through
+  dtype[batch, len, d_ff].
   """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, deterministic: bool = True):
     cfg = self.config
-    hidden = nn.relu(dense(cfg.d_ff, cfg, 'wi')(x))
-    return dense(cfg.d_model, cfg, 'wo')(hidden)
+    dot_general = cpu_kernels.dot_general_for(cfg)
+    hidden = nn.relu(nn.Dense(cfg.d_ff, dtype=cfg.dtype,
+                              dot_general=dot_general, name='wi')(x))
+    hidden = nn.Dropout(cfg.relu_dropout_rate)(hidden,
+                                               deterministic=deterministic)
+    return nn.Dense(cfg.d_model, dtype=cfg.dtype, dot_general=dot_general,
+                    name='wo')(hidden)
 
 
 class AddAndNorm(nn.Module):
   """The residual connection and layer norm around one sublayer.
 
-  x: [batch, len, d_model]; sublayer maps [batch, len, d_model] to the same.
+  x: dtype[batch, len, d_model]; `sublayer` maps it to the same shape.
   """
   config: TransformerConfig
 
@@ -53,9 +61,9 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, src_mask, deterministic: bool = True):
-    """x: [batch, src_len, d_model]; src_mask: bool[batch, 1, 1, src_len].
+    """x: dtype[batch, src_len, d_model]; src_mask: bool[batch, 1, 1, src_len].
 
-    Returns [batch, src_len, d_model].
+    Returns dtype[batch, src_len, d_model].
     """
     self_attention = MultiHeadAttention(self.config, name='self_attention')
     feed_forward = FeedForward(self.config, name='feed_forward')
@@ -64,7 +72,7 @@ class EncoderLayer(nn.Module):
         deterministic)
     self.sow('intermediates', 'after_self_attention', x)
     x = AddAndNorm(self.config, name='feed_forward_norm')(
-        x, feed_forward, deterministic)
+        x, lambda y: feed_forward(y, deterministic), deterministic)
     self.sow('intermediates', 'after_feed_forward', x)
     return x
 
@@ -74,42 +82,43 @@ class DecoderLayer(nn.Module):
 
   In the second attention block the queries come from the decoder and the keys
   and values from the encoder output: that is how each target position looks
-  at the source sentence.
+  at the source sentence. Every decoder layer reads the same, final encoder
+  output.
   """
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, y, encoded, src_mask, tgt_mask, deterministic: bool = True,
-               decode: bool = False):
+               incremental: bool = False):
     """One decoder layer.
 
     Args:
-      y: [batch, tgt_len, d_model], the decoder's running representation.
-      encoded: [batch, src_len, d_model], the encoder output.
+      y: dtype[batch, tgt_len, d_model], the decoder's running representation.
+      encoded: dtype[batch, src_len, d_model], the encoder output.
       src_mask: bool[batch, 1, 1, src_len].
-      tgt_mask: bool[batch, 1, tgt_len, tgt_len] (unused in decode mode, where
-        the key/value cache supplies the causal mask).
+      tgt_mask: bool[batch, 1, tgt_len, tgt_len] (unused in incremental
+        decoding, where the key/value cache supplies the causal mask).
       deterministic: disables dropout.
-      decode: process only the new token(s), using the cache.
+      incremental: process only the new token(s), using the cache.
 
     Returns:
-      [batch, tgt_len, d_model].
+      dtype[batch, tgt_len, d_model].
     """
-    self_attention = MultiHeadAttention(self.config, causal=True,
-                                        name='self_attention')
-    cross_attention = MultiHeadAttention(self.config, from_memory=True,
+    self_attention = MultiHeadAttention(self.config, name='self_attention')
+    cross_attention = MultiHeadAttention(self.config, cross_attention=True,
                                          name='cross_attention')
     feed_forward = FeedForward(self.config, name='feed_forward')
     y = AddAndNorm(self.config, name='self_attention_norm')(
-        y, lambda z: self_attention(z, z, tgt_mask, deterministic, decode),
+        y, lambda z: self_attention(z, z, tgt_mask, deterministic,
+                                    incremental),
         deterministic)
     self.sow('intermediates', 'after_self_attention', y)
     y = AddAndNorm(self.config, name='cross_attention_norm')(
         y, lambda z: cross_attention(z, encoded, src_mask, deterministic,
-                                     decode),
+                                     incremental),
         deterministic)
     self.sow('intermediates', 'after_cross_attention', y)
     y = AddAndNorm(self.config, name='feed_forward_norm')(
-        y, feed_forward, deterministic)
+        y, lambda z: feed_forward(z, deterministic), deterministic)
     self.sow('intermediates', 'after_feed_forward', y)
     return y

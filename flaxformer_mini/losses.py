@@ -35,9 +35,12 @@ def _xlogx(x: float) -> float:
 def label_smoothed_kl(logits, labels, label_smoothing: float, pad_id: int):
   """Summed KL(q || softmax(logits)) over the real (non-pad) target tokens.
 
-  Computed from log p without building q: sum_v q_v log p_v =
-  (1 - eps) log p_true + eps / (V - 2) * (sum_v log p_v - log p_true - log p_pad),
-  and sum_v q_v log q_v is a constant.
+  Computed from the logits without building q: with lse = logsumexp(logits),
+  sum_v q_v log p_v = (1 - eps) log p_true + eps / (V - 2) * sum over the
+  tokens v that are neither the truth nor pad of (logits_v - lse), and
+  sum_v q_v log q_v is a constant. The pad logit never enters a sum (q puts
+  no mass on pad), so any pad logit, -1e9 or -inf included, gives the same
+  value.
 
   Args:
     logits: float[batch, len, vocab] (upcast to float32 here).
@@ -49,15 +52,21 @@ def label_smoothed_kl(logits, labels, label_smoothing: float, pad_id: int):
     (loss_sum: float32[], ntokens: int32[]); the mean loss is their ratio.
   """
   vocab_size = logits.shape[-1]
-  log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  log_p_true = jnp.take_along_axis(logits, labels[..., None],
+                                   axis=-1)[..., 0] - lse
   confidence = 1.0 - label_smoothing
-  off_value = label_smoothing / (vocab_size - 2) if label_smoothing else 0.0
-  log_p_true = jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
   cross = confidence * log_p_true
   if label_smoothing:
-    cross += off_value * (jnp.sum(log_p, axis=-1) - log_p_true -
-                          log_p[..., pad_id])
-  neg_entropy = _xlogx(confidence) + (vocab_size - 2) * _xlogx(off_value)
+    off_value = label_smoothing / (vocab_size - 2)
+    others = (jnp.arange(vocab_size) != pad_id) & (
+        jnp.arange(vocab_size) != labels[..., None])
+    sum_others = jnp.sum(jnp.where(others, logits, 0.0), axis=-1)
+    cross += off_value * (sum_others - (vocab_size - 2) * lse)
+    neg_entropy = _xlogx(confidence) + (vocab_size - 2) * _xlogx(off_value)
+  else:
+    neg_entropy = 0.0
   real = labels != pad_id
   loss_sum = jnp.sum(jnp.where(real, neg_entropy - cross, 0.0))
   return loss_sum, jnp.sum(real).astype(jnp.int32)
@@ -67,10 +76,8 @@ def correct_tokens(logits, labels, pad_id: int):
   """How many real target tokens get the largest logit: -> int32[].
 
   logits: float[batch, len, vocab]; labels: int32[batch, len]. The true
-  token's logit is compared with the maximum (which XLA shares with the
-  loss's log_softmax) rather than an argmax taken: an index reduction over
-  [batch, len, vocab] costs a twentieth of a `small` training step on CPU.
-  A tie for the largest logit counts as correct.
+  token's logit is compared with the maximum, which the loss's logsumexp
+  computes anyway; a tie for the largest logit counts as correct.
   """
   real = labels != pad_id
   true_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]

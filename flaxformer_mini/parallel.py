@@ -23,35 +23,63 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from flaxformer_mini.config import PARALLEL_MODES, TransformerConfig
+from flaxformer_mini.config import (PARALLEL_MODES, ConfigError,
+                                    TransformerConfig)
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.training import TrainState, eval_step, train_step
 
 DATA_AXIS = 'data'
 
 
+class MultihostError(RuntimeError):
+  """This process could not join a multi-host run; the message says why."""
+
+
 def initialize_multihost(coordinator_address: str | None = None,
                          num_processes: int | None = None,
-                         process_id: int | None = None) -> None:
+                         process_id: int | None = None,
+                         timeout_s: int = 300) -> None:
   """Joins JAX's multi-controller runtime (one process per host).
 
   On Cloud TPU pods and SLURM/Kubernetes GPU clusters JAX finds the other
   processes itself; elsewhere pass the coordinator's host:port, the number of
-  processes and this process's index.
+  processes and this process's index. Waits at most `timeout_s` for all of
+  them.
+
+  Raises:
+    MultihostError: no cluster was found, or not every process came in time.
   """
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes,
-                             process_id=process_id)
+  if coordinator_address:
+    print(f'joining {num_processes} processes at {coordinator_address} as '
+          f'process {process_id}; waiting up to {timeout_s} s for all of '
+          'them to start', flush=True)
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes,
+                               process_id=process_id,
+                               initialization_timeout=timeout_s)
+  except (ValueError, RuntimeError) as e:
+    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise MultihostError(
+        f'could not join a multi-host run ({first_line[:200]}). On a '
+        'cluster JAX detects (Cloud TPU, SLURM, Kubernetes) start one process '
+        'per host; elsewhere give --coordinator_address, --num_processes and '
+        '--process_id, and start every process.') from None
 
 
-def check_divisible(batch_size: int, what: str = '--batch_size') -> None:
-  """A clear error, before compiling, when a batch cannot be split evenly."""
+def check_divisible(batch_size: int, what: str = 'batch_size') -> None:
+  """A clear error, before compiling, when a batch cannot be split evenly.
+
+  Raises:
+    ConfigError: naming `what`.
+  """
   devices = jax.device_count()
   if batch_size % devices:
     lower = batch_size - batch_size % devices
-    raise ValueError(
+    raise ConfigError(
         f'{what}={batch_size} does not divide over {devices} devices; use a '
         f'multiple of {devices} (e.g. {lower or devices} or '
         f'{lower + devices}).')
@@ -75,7 +103,7 @@ def _shard_token_counts(tgt_out, shards: int, pad_id: int):
 
 
 def host_rows(array):
-  """This process's consecutive block of rows of a global [batch, ...] array."""
+  """array: [batch, ...], the global rows -> [batch / processes, ...], this process's block."""
   rows = array.shape[0] // jax.process_count()
   start = jax.process_index() * rows
   return array[start:start + rows]
@@ -87,8 +115,10 @@ class DataParallel:
 
   Use: `dp = DataParallel(config)`, `state = dp.put_state(state)`, then
   `state, metrics = dp.train_step(state, dp.put_batch(batch), rng)`;
-  `dp.get_state(state)` gives back one ordinary copy (for evaluation or
-  saving). Metrics come back as global sums.
+  `dp.get_state(state)` gives back one ordinary copy (for evaluation), and
+  `dp.fetch(metrics)` the metrics as numpy. Metrics are global sums over
+  every device (and host): float32[] loss_sum, int32[] ntokens and correct,
+  float32[] learning_rate.
   """
   config: TransformerConfig
   mode: str = 'shard_map'
@@ -125,7 +155,10 @@ class DataParallel:
 
   @functools.cached_property
   def train_step(self):
-    """(state, placed batch, rng) -> (state, metrics); the state is donated."""
+    """(placed state, placed Batch, rng) -> (placed state, metrics).
+
+    The input state is donated (its buffers are reused for the output).
+    """
     step = functools.partial(train_step, config=self.config,
                              axis_name=DATA_AXIS)
     if self.mode == 'pmap':
@@ -142,7 +175,7 @@ class DataParallel:
 
   @functools.cached_property
   def eval_step(self):
-    """(params as placed by put_state, placed batch) -> metric sums."""
+    """(params as placed by put_state, placed Batch) -> metric sums (eval_step's)."""
     step = functools.partial(eval_step, config=self.config,
                              axis_name=DATA_AXIS)
     if self.mode == 'pmap':
@@ -152,7 +185,11 @@ class DataParallel:
         in_specs=(P(), self._batch_specs), out_specs=P(), check_vma=False))
 
   def put_state(self, state):
-    """One replica of the state (or any pytree, e.g. params) on every device."""
+    """One replica of the state (or any pytree, e.g. params) on every device.
+
+    shard_map: each leaf becomes a global array replicated over the mesh;
+    pmap: each leaf [...] becomes [local_devices, ...].
+    """
     if self.mode == 'pmap':
       local = jax.local_device_count()
       return jax.tree.map(
@@ -166,14 +203,17 @@ class DataParallel:
     return jax.tree.map(lambda x: x.addressable_data(0), state)
 
   def savable_state(self, state: TrainState) -> TrainState:
-    """The placed state as global arrays, for orbax (multi-host aware)."""
+    """The placed state as global arrays, for orbax: a pmap state's first copy."""
     return self.get_state(state) if self.mode == 'pmap' else state
 
   def put_batch(self, batch: Batch) -> Batch:
     """Splits this process's rows of the global batch over the devices.
 
     batch: a Batch whose arrays are this process's [batch / processes, ...]
-    rows (see `host_rows`). Raises ValueError when they do not divide.
+    rows (see `host_rows`) -> the same Batch as global arrays split along
+    'data' (pmap: [local_devices, rows / local_devices, ...]), ntokens as
+    int32[devices], each device's count. Raises ConfigError when the rows
+    do not divide over the devices.
     """
     rows = batch.src.shape[0] * jax.process_count()
     check_divisible(rows, 'the global batch size')
@@ -187,7 +227,7 @@ class DataParallel:
     return jax.tree.map(self.put_rows, batch.replace(ntokens=counts))
 
   def replicate(self, tree):
-    """Any pytree of arrays, replicated over the mesh (e.g. params to decode)."""
+    """Any pytree of arrays [...] -> global arrays [...] replicated over the mesh."""
     replicated = self.replicated
 
     def put(leaf):
@@ -200,12 +240,27 @@ class DataParallel:
     return jax.tree.map(put, tree)
 
   def put_rows(self, rows):
-    """This process's rows [rows, ...] -> a global array split over 'data'."""
+    """rows: [rows, ...], this process's -> [rows * processes, ...] split over 'data'."""
     return jax.make_array_from_process_local_data(
         NamedSharding(self.mesh, P(DATA_AXIS)), np.asarray(rows))
 
   def fetch(self, tree):
-    """Metrics (replicated global sums) as host numpy values."""
+    """A pytree of replicated global values (metrics) -> numpy values on the host."""
     if self.mode == 'pmap':
       return jax.device_get(jax.tree.map(lambda x: x[0], tree))
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+def decode_sharded(decode_fn, params, sources: np.ndarray,
+                   parallel: DataParallel, pad_id: int) -> np.ndarray:
+  """decode_fn(params, src) with the rows of `sources` split over the devices.
+
+  sources: int32[n, src_len], the same on every process; topped up with rows
+  of pad to divide over the devices, and those rows are dropped from the
+  result: -> decode_fn's output as numpy, its first n rows.
+  """
+  padded = pad_rows(sources, parallel.num_devices, pad_id)
+  out = decode_fn(parallel.replicate(params),
+                  parallel.put_rows(host_rows(padded)))
+  return np.asarray(multihost_utils.process_allgather(out, tiled=True))[
+      :sources.shape[0]]

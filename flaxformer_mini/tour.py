@@ -14,17 +14,17 @@ lost in.
 
 import argparse
 import dataclasses
-import json
 import os
 
 import flax.traverse_util
 import jax
 import numpy as np
 
+from flaxformer_mini import checkpoints
 from flaxformer_mini import config as config_lib
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch, make_batch
-from flaxformer_mini.model import Transformer, unrolled
+from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
 
 # Axes of each sown tensor; {q} and {k} are filled in per attention block.
@@ -68,13 +68,16 @@ class Stop:
 def example_batch(config: TransformerConfig) -> Batch:
   """The walkthrough's batch: 2 pairs, source length 3, target length 2.
 
-  Pair 0 is a full source [5, 6, 7] with target [5, 6]; pair 1 has one pad
-  token on each side, so the masks have something to hide. Ids 3.. are
-  ordinary tokens, so any vocabulary of 10 or more fits.
+  Both pairs are copies shown over their first two target positions, as in
+  the walkthrough: source [5, 6, 7] reads tgt_in [bos, 5] and must predict
+  tgt_out [5, 6]; source [8, 9, pad] (one pad, so the padding mask has
+  something to hide) reads [bos, 8] and must predict [8, 9]. A trained copy
+  model predicts exactly tgt_out. Ids 3.. are ordinary tokens, so any
+  vocabulary of 10 or more fits.
   """
-  pad, bos, eos = config.pad_id, config.bos_id, config.eos_id
+  pad, bos = config.pad_id, config.bos_id
   src = np.array([[5, 6, 7], [8, 9, pad]])
-  tgt = np.array([[bos, 5, 6], [bos, 8, eos]])
+  tgt = np.array([[bos, 5, 6], [bos, 8, 9]])
   return make_batch(src, tgt, config)
 
 
@@ -114,9 +117,6 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
     sum, and per layer each attention block's query/key/value/scores/weights/
     heads/concatenated/output and each sublayer's output; then the logits.
   """
-  # Each layer's tensors are named for it: run the layers unrolled.
-  params, config = unrolled(params, config)
-
   def forward(params, batch):
     return Transformer(config).apply(
         {'params': params}, batch.src, batch.tgt_in, batch.src_mask,
@@ -160,21 +160,13 @@ def tour_table(stops: list[Stop], with_values: bool = False) -> str:
   return '\n'.join(lines)
 
 
-def tour_params(config: TransformerConfig, workdir: str | None = None):
-  """The trained parameters in WORKDIR/checkpoints, else random from the seed."""
-  # pylint: disable=g-import-not-at-top
-  from flaxformer_mini.checkpoints import load_params
-  if workdir and os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    return load_params(os.path.join(workdir, 'checkpoints'), config)
-  return init_params(config, jax.random.key(config.seed))
-
-
-def print_tour(config: TransformerConfig, workdir: str | None = None,
+def print_tour(config: TransformerConfig, params=None,
                with_values: bool = False) -> None:
-  """Prints the tour of the walkthrough batch through the model."""
-  stops = tensor_tour(config, tour_params(config, workdir),
-                      example_batch(config))
-  print(tour_table(stops, with_values))
+  """Prints the tour of the walkthrough batch (random weights where params is None)."""
+  if params is None:
+    params = init_params(config, jax.random.key(config.seed))
+  print(tour_table(tensor_tour(config, params, example_batch(config)),
+                   with_values))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,16 +177,20 @@ def main(argv: list[str] | None = None) -> None:
       'target length 2).')
   parser.add_argument('--config', choices=list(config_lib.PRESETS),
                       default='toy', help='preset, with random weights')
-  parser.add_argument('--workdir', help='a run\'s workdir: use its trained '
-                      'model (config from results.json) instead')
+  parser.add_argument('--workdir', help="a run's workdir: its trained model, "
+                      'with the config it was trained with')
   parser.add_argument('--values', action='store_true',
-                      help='print each tensor\'s numbers too')
+                      help="print each tensor's numbers too")
   args = parser.parse_args(argv)
-  config = config_lib.get_config(args.config)
-  if args.workdir:  # the trained model's own config
-    with open(os.path.join(args.workdir, 'results.json')) as f:
-      config = TransformerConfig(**json.load(f)['config'])
-  print_tour(config, args.workdir, args.values)
+  config, params = config_lib.get_config(args.config), None
+  if args.workdir:
+    try:
+      config = checkpoints.read_run_config(args.workdir)
+      params = checkpoints.load_params(
+          os.path.join(args.workdir, checkpoints.CHECKPOINTS_DIR), config)
+    except checkpoints.CheckpointError as e:
+      parser.error(str(e))
+  print_tour(config, params, args.values)
 
 
 if __name__ == '__main__':

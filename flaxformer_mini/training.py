@@ -20,13 +20,8 @@ TrainState = flax.training.train_state.TrainState
 
 
 def init_params(config: TransformerConfig, rng):
-  """Random parameters of Transformer(config); no shape depends on lengths.
-
-  Nor on how attention is computed, so the explicit path makes them: it runs
-  on any backend and batch (cuDNN's fused kernel needs a GPU).
-  """
+  """Random parameters of Transformer(config); no shape depends on lengths."""
   ids = jnp.full((1, 1), config.bos_id, jnp.int32)
-  config = config.replace(attention_implementation='explicit')
   return Transformer(config).init(
       rng, ids, ids, padding_mask(ids, config.pad_id), causal_mask(1))['params']
 
@@ -90,10 +85,12 @@ def train_step(state: TrainState, batch: Batch, rng,
 
 def eval_step(params, batch: Batch, config: TransformerConfig,
               axis_name: str | None = None):
-  """Loss sums on a batch without dropout: -> {loss_sum, ntokens, correct}.
+  """Loss sums on a batch without dropout.
 
-  Rows of all pad contribute nothing, so a batch can be padded to divide over
-  devices without changing the result.
+  params: the model parameters; batch: a Batch of [batch, len] arrays ->
+  {loss_sum: float32[], ntokens: int32[], correct: int32[]} (summed over
+  `axis_name` where given). Rows of all pad contribute nothing, so a batch
+  can be padded to divide over devices without changing the result.
   """
   _, metrics = _loss_and_metrics(params, batch, config, True)
   if axis_name is not None:

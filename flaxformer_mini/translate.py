@@ -3,15 +3,17 @@
   python -m flaxformer_mini.translate --workdir runs/translate < input.txt
   python -m flaxformer_mini.translate --workdir runs/translate --input in.txt
 
-Reads the config and the SentencePiece model from the workdir and the
-parameters from its latest checkpoint (or `--params averaged` after
-`python -m flaxformer_mini.checkpoints average`). Lines are batched by length
-and beam-searched; line i of the output always answers line i of the input,
-and an empty input line gives an empty output line.
+Reads the config and the SentencePiece model from the workdir, and the
+parameters the run chose for translation (the averaged or the last
+checkpoint, whichever scored better on validation; `--params` picks one).
+Lines are split on '\\n' alone, sorted by length into batches and
+beam-searched; line i of the output always answers line i of the input, and
+an empty input line gives an empty output line.
 """
 
 import argparse
-import functools
+import json
+import math
 import os
 import sys
 
@@ -24,96 +26,161 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data.tokenizer import load_tokenizer
 
 TOKENIZER_NAME = 'spm'
+RESULTS_FILE = 'results.json'
 
 
 def tokenizer_path(workdir: str) -> str:
+  """WORKDIR/spm: the prefix of the run's spm.model and spm.vocab."""
   return os.path.join(workdir, TOKENIZER_NAME)
 
 
-def read_config(workdir: str) -> TransformerConfig:
-  """The config the workdir's run was trained with (from its checkpoint)."""
-  directory = os.path.join(workdir, 'checkpoints')
-  checkpoints = ckpt.Checkpoints(directory)
-  step = checkpoints.latest_step()
-  if step is None:
-    raise ckpt.CheckpointError(f'{directory}: no checkpoint to translate with.')
-  return TransformerConfig(**checkpoints.read_meta(step)['config'])
+def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
+                  beam_size: int = 4, alpha: float = 0.6,
+                  batch_size: int = 64) -> list[list[int]]:
+  """The best translation of each source (token ids, no eos), in order.
+
+  Sources are sorted by length into batches of `batch_size`, so that the
+  sentences of a batch are padded little and end their searches at similar
+  steps; batch shapes are rounded up to multiples of 8 to bound the number
+  of compiled programs. beam_size 1 is greedy search. An empty source gives
+  an empty translation; sources longer than config.max_len - 1 are cut there.
+  """
+  limit = config.max_len - 1  # room for eos
+  order = sorted((i for i, ids in enumerate(sources) if len(ids)),
+                 key=lambda i: len(sources[i]))
+  if beam_size == 1:
+    search = lambda params, src, max_len: decoding.greedy_decode(
+        params, src, config, max_len)[:, None]
+  else:
+    search = lambda params, src, max_len: decoding.beam_decode(
+        params, src, config, beam_size, alpha, max_len).sequences
+  search = jax.jit(search, static_argnames=('max_len',))
+  outputs = [[] for _ in sources]
+  for start in range(0, len(order), batch_size):
+    members = order[start:start + batch_size]
+    longest = min(max(len(sources[i]) for i in members) + 1, config.max_len)
+    length = min(-(-longest // 8) * 8, config.max_len)
+    src = np.full((batch_size, length), config.pad_id, np.int32)
+    for row, i in enumerate(members):
+      ids = list(sources[i][:limit]) + [config.eos_id]
+      src[row, :len(ids)] = ids
+    best = np.asarray(search(params, src,
+                             max_len=decoding.default_max_len(config, length)))
+    for row, i in enumerate(members):
+      tokens = best[row, 0].tolist()
+      outputs[i] = tokens[:tokens.index(config.eos_id)] if (
+          config.eos_id in tokens) else [t for t in tokens
+                                         if t != config.pad_id]
+  return outputs
 
 
 def translate_lines(params, config: TransformerConfig, tokenizer,
                     lines: list[str], beam_size: int = 4, alpha: float = 0.6,
                     batch_size: int = 64, warn=None) -> list[str]:
-  """Beam-search translations of `lines`, in order; '' for an empty line.
+  """Translations of `lines`, in order; '' for an empty line.
 
-  Lines are sorted by length into batches of `batch_size` so that padding
-  stays small; batch shapes are rounded up to multiples of 8 to bound the
-  number of compiled programs. Sources longer than config.max_len - 1
-  tokens are cut there (and reported through `warn(line_number, length)`).
+  Sources longer than config.max_len - 1 tokens are cut there and reported
+  through `warn(line_number, length)`. See translate_ids for the search.
   """
   encoded = [tokenizer.encode(line.strip()) if line.strip() else []
              for line in lines]
-  limit = config.max_len - 1  # room for eos
   for number, ids in enumerate(encoded, start=1):
-    if len(ids) > limit and warn is not None:
+    if len(ids) > config.max_len - 1 and warn is not None:
       warn(number, len(ids))
-  order = sorted((i for i, ids in enumerate(encoded) if ids),
-                 key=lambda i: len(encoded[i]))
-  decode = jax.jit(functools.partial(decoding.beam_decode, config=config,
-                                     beam_size=beam_size, alpha=alpha),
-                   static_argnames=('max_len',))
-  outputs = [''] * len(lines)
-  for start in range(0, len(order), batch_size):
-    members = order[start:start + batch_size]
-    longest = min(max(len(encoded[i]) for i in members) + 1, config.max_len)
-    length = min(-(-longest // 8) * 8, config.max_len)
-    src = np.full((batch_size, length), config.pad_id, np.int32)
-    for row, i in enumerate(members):
-      ids = list(encoded[i][:limit]) + [config.eos_id]
-      src[row, :len(ids)] = ids
-    result = decode(params, src,
-                    max_len=decoding.default_max_len(config, length))
-    for row, i in enumerate(members):
-      tokens = np.asarray(result.sequences[row, 0])
-      tokens = tokens[:int(result.lengths[row, 0])].tolist()
-      if tokens and tokens[-1] == config.eos_id:
-        tokens = tokens[:-1]
-      outputs[i] = tokenizer.decode(tokens)
-  return outputs
+  return [tokenizer.decode(ids) for ids in translate_ids(
+      params, config, encoded, beam_size, alpha, batch_size)]
+
+
+def split_lines(data: bytes, source: str) -> list[str]:
+  """UTF-8 bytes -> their lines, split on '\\n' only (a final one ends the text).
+
+  Other characters Python's str.splitlines() breaks at (U+2028, NEL, form
+  feed, ...) stay inside their line, so line i of the output answers line i
+  of the input. Raises ValueError naming the line that is not UTF-8.
+  """
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b'\n') + 1
+    raise ValueError(f'{source}: line {line} is not UTF-8 text.') from None
+  lines = text.split('\n')
+  if lines and lines[-1] == '':
+    lines.pop()
+  return [line.removesuffix('\r') for line in lines]
+
+
+def chosen_params(workdir: str) -> str:
+  """'averaged' or 'latest': what the workdir's run kept for translation."""
+  path = os.path.join(workdir, RESULTS_FILE)
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f).get('translate_with', 'latest')
+  return 'latest'
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{value}: must be at least 1')
+  return value
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise argparse.ArgumentTypeError(f'{text}: must be a finite number')
+  return value
+
+
+class _OneLineParser(argparse.ArgumentParser):
+  def error(self, message):
+    self.exit(2, f'{self.prog}: error: {message}\n')
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(prog='python -m flaxformer_mini.translate',
-                                   description=__doc__.split('\n\n')[0])
+  parser = _OneLineParser(prog='python -m flaxformer_mini.translate',
+                          description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', required=True)
-  parser.add_argument('--input', help='a text file (default: stdin).')
-  parser.add_argument('--params', choices=['latest', 'averaged'],
-                      default='latest')
-  parser.add_argument('--beam_size', type=int, default=4)
-  parser.add_argument('--alpha', type=float, default=0.6)
-  parser.add_argument('--batch_size', type=int, default=64)
+  parser.add_argument('--input', help='a UTF-8 text file (default: stdin).')
+  parser.add_argument('--params', choices=['best', 'latest', 'averaged'],
+                      default='best', help="the run's choice (default), its "
+                      'latest checkpoint, or its averaged parameters.')
+  parser.add_argument('--beam_size', type=_positive_int, default=4)
+  parser.add_argument('--alpha', type=_finite_float, default=0.6,
+                      help='length-penalty exponent.')
+  parser.add_argument('--batch_size', type=_positive_int, default=64,
+                      help='sentences per search.')
   args = parser.parse_args(argv)
+  if args.input is not None and not os.path.isfile(args.input):
+    parser.error(f'--input={args.input}: '
+                 + ('a folder, not a file.' if os.path.isdir(args.input) else
+                    'no such file.'))
   if not os.path.isfile(tokenizer_path(args.workdir) + '.model'):
     parser.error(f'--workdir={args.workdir}: no {TOKENIZER_NAME}.model '
                  'there; train with train.py --task=translate first.')
   try:
-    config = read_config(args.workdir)
-    source = os.path.join(args.workdir, 'averaged' if args.params == 'averaged'
-                          else 'checkpoints')
-    params = ckpt.load_params(source, config)
+    if args.input is None:
+      lines = split_lines(sys.stdin.buffer.read(), 'stdin')
+    else:
+      with open(args.input, 'rb') as f:
+        lines = split_lines(f.read(), f'--input={args.input}')
+  except ValueError as e:
+    parser.error(str(e))
+  which = chosen_params(args.workdir) if args.params == 'best' else args.params
+  try:
+    config = ckpt.read_run_config(args.workdir)
+    params = ckpt.load_params(os.path.join(
+        args.workdir, ckpt.AVERAGED_DIR if which == 'averaged' else
+        ckpt.CHECKPOINTS_DIR), config)
   except ckpt.CheckpointError as e:
     parser.error(str(e))
-  if args.input:
-    with open(args.input, encoding='utf-8') as f:
-      lines = f.read().splitlines()
-  else:
-    lines = sys.stdin.read().splitlines()
   warn = lambda number, length: print(
       f'translate: line {number} has {length} tokens; cut to '
-      f'{config.max_len - 1} (--max_len of the model)', file=sys.stderr)
-  for line in translate_lines(params, config, load_tokenizer(
-      tokenizer_path(args.workdir)), lines, args.beam_size, args.alpha,
-                              args.batch_size, warn):
-    print(line)
+      f'{config.max_len - 1} (the model\'s max_len)', file=sys.stderr)
+  translations = translate_lines(
+      params, config, load_tokenizer(tokenizer_path(args.workdir)), lines,
+      args.beam_size, args.alpha, args.batch_size, warn)
+  sys.stdout.write(''.join(line + '\n' for line in translations))
 
 
 if __name__ == '__main__':

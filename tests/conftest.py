@@ -25,11 +25,13 @@ import pytest
 # (on CPU this changes nothing).
 jax.config.update('jax_default_matmul_precision', 'highest')
 
-from flaxformer_mini import decoding, experiment
+import numpy as np
+
+from flaxformer_mini import decoding, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
-from flaxformer_mini.masks import make_batch
 from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.tasks import copy
 from flaxformer_mini.training import create_train_state, init_params
 
 
@@ -76,11 +78,23 @@ def toy_config():
 
 @pytest.fixture(scope='session')
 def toy_batch(toy_config):
-  """Batch 2, source length 3, target length 2 (tgt_in/tgt_out), one pad each."""
-  cfg = toy_config
-  src = jnp.array([[5, 6, 7], [8, 9, cfg.pad_id]])
-  tgt = jnp.array([[cfg.bos_id, 5, 6], [cfg.bos_id, 8, cfg.eos_id]])
-  return make_batch(src, tgt, cfg)
+  """The tour's batch: 2 pairs, source length 3 (item 1 padded), target 2."""
+  from flaxformer_mini import tour  # pylint: disable=g-import-not-at-top
+  return tour.example_batch(toy_config)
+
+
+@pytest.fixture(scope='module')
+def toy_model(toy_config):
+  """A toy-sized model with 9 tokens and 4 source sentences, one padded.
+
+  Returns (config, params, src int32[4, 5]).
+  """
+  cfg = toy_config.replace(d_model=16, num_heads=4, d_ff=32, src_vocab_size=9,
+                           tgt_vocab_size=9)
+  params = init_params(cfg, jax.random.key(11))
+  src = np.random.default_rng(4).integers(3, cfg.src_vocab_size, size=(4, 5))
+  src[3, 2:] = cfg.pad_id
+  return cfg, params, jnp.asarray(src, jnp.int32)
 
 
 @pytest.fixture(scope='session')
@@ -103,15 +117,14 @@ def _train_copy_model(cfg):
       decoding.greedy_decode, config=cfg, max_len=cfg.copy_length + 1))
   draws = iter(range(1, 1000))
   parallel = DataParallel(cfg)
-  state, history = experiment.train(
+  state, history = loop.train(
       cfg, create_train_state(cfg, init_rng), dropout_rng,
       functools.partial(copy_task.train_batch, cfg),
-      lambda s: _score_and_stop(experiment.copy_exact_match(
+      lambda s: _score_and_stop(copy.exact_match(
           s.params, cfg, decode_fn, next(draws), parallel)[0]),
       parallel)
   return state, history, functools.partial(
-      experiment.copy_exact_match, config=cfg, decode_fn=decode_fn,
-      parallel=parallel)
+      copy.exact_match, config=cfg, decode_fn=decode_fn, parallel=parallel)
 
 
 @pytest.fixture(scope='session')

@@ -20,19 +20,8 @@ from flaxformer_mini.training import init_params
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope='module')
-def model(toy_config):
-  cfg = toy_config.replace(d_model=16, num_heads=4, d_ff=32, src_vocab_size=9,
-                           tgt_vocab_size=9)
-  params = init_params(cfg, jax.random.key(11))
-  rng = np.random.default_rng(4)
-  src = rng.integers(3, cfg.src_vocab_size, size=(4, 5))
-  src[3, 2:] = cfg.pad_id
-  return cfg, params, jnp.asarray(src, jnp.int32)
-
-
-def test_beam_size_one_is_greedy(model):
-  cfg, params, src = model
+def test_beam_size_one_is_greedy(toy_model):
+  cfg, params, src = toy_model
   greedy = decoding.greedy_decode(params, src, cfg, max_len=10)
   beam = decoding.beam_decode(params, src, cfg, beam_size=1, alpha=0.0,
                               max_len=10)
@@ -40,30 +29,32 @@ def test_beam_size_one_is_greedy(model):
   np.testing.assert_array_equal(beam.sequences[:, 0], greedy)
 
 
-def test_on_step_shows_every_steps_candidates_under_jit(model):
-  cfg, params, src = model
+def test_on_step_shows_what_each_step_feeds_and_finishes_under_jit(
+    toy_model):
+  cfg, params, src = toy_model
   seen = []
-  record = lambda step, candidates, log_probs: seen.append(
-      (int(step), np.asarray(candidates), np.asarray(log_probs)))
   result = jax.jit(functools.partial(
       decoding.beam_decode, config=cfg, beam_size=2, alpha=0.0, max_len=6,
-      on_step=record))(params, src)
+      on_step=seen.append))(params, src)
   jax.effects_barrier()
-  assert [step for step, _, _ in seen] == list(range(len(seen)))
-  assert 1 <= len(seen) <= 6
-  for step, candidates, log_probs in seen:
-    assert candidates.shape == (4, 4, 7) and log_probs.shape == (4, 4)
-    assert np.all(candidates[:, :, 0] == cfg.bos_id)
-    assert np.all(candidates[:, :, step + 2:] == cfg.pad_id)
-    assert np.all(np.diff(log_probs, axis=1) <= 0)  # best first
-  # Item 0's best hypothesis was once among the candidates of its last step.
-  best = np.asarray(result.sequences[0, 0, :result.lengths[0, 0]])
-  step, candidates, _ = seen[int(result.lengths[0, 0]) - 1]
-  assert any(np.array_equal(c[1:step + 2], best) for c in candidates[0])
+  steps = [int(state.step) for state in seen]
+  assert steps == list(range(1, len(seen) + 1)) and 1 <= len(seen) <= 6
+  for state in seen:
+    step = int(state.step)
+    assert state.cache is None  # left out of what the host sees
+    live = np.asarray(state.live_sequences)
+    assert live.shape == (4, 2, 7)
+    assert np.all(live[:, :, 0] == cfg.bos_id)  # what is fed: bos, then tokens
+    assert np.all(live[:, :, step + 1:] == cfg.pad_id)
+    assert np.all(np.diff(np.asarray(state.live_log_probs), axis=1) <= 0)
+  last = seen[-1]
+  np.testing.assert_array_equal(last.finished_sequences[:, :1, 1:],
+                                result.sequences)
+  np.testing.assert_array_equal(last.finished_scores[:, :1], result.scores)
 
 
-def test_hypotheses_end_at_eos_are_padded_after_it_and_respect_max_len(model):
-  cfg, params, src = model
+def test_hypotheses_end_at_eos_are_padded_after_it_and_respect_max_len(toy_model):
+  cfg, params, src = toy_model
   result = decoding.beam_decode(params, src, cfg, beam_size=4, alpha=0.6,
                                 max_len=7, n_best=4)
   assert result.sequences.shape == (4, 4, 7)
@@ -187,8 +178,8 @@ def test_a_copy_model_copies_with_beam_four(small_copy_config,
                                cfg) == 1.0
 
 
-def test_jitted_user_code_compiles_once_and_runs_under_vmap(model):
-  cfg, params, src = model
+def test_jitted_user_code_compiles_once_and_runs_under_vmap(toy_model):
+  cfg, params, src = toy_model
   traces = []
 
   @jax.jit

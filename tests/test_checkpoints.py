@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from flaxformer_mini import checkpoints as ckpt
-from flaxformer_mini import experiment
+from flaxformer_mini import loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.parallel import DataParallel
@@ -35,18 +35,14 @@ def cfg():
 
 
 def _train_in(workdir, cfg):
-  """train() as run_copy_task does it, without the final evaluation."""
+  """loop.train as the copy task runs it, without the final evaluation."""
   parallel = DataParallel(cfg)
-  checkpoints = ckpt.Checkpoints(os.path.join(workdir, 'checkpoints'),
-                                 cfg.keep_checkpoints)
-  try:
-    state, rng, resumed = experiment.resume_or_start(cfg, checkpoints,
-                                                     parallel)
-    state, _ = experiment.train(
+  with ckpt.Checkpoints(os.path.join(workdir, 'checkpoints'),
+                        cfg.keep_checkpoints) as checkpoints:
+    state, rng, resumed = loop.resume_or_start(cfg, checkpoints, parallel)
+    state, _ = loop.train(
         cfg, state, rng, functools.partial(copy_task.train_batch, cfg),
         parallel=parallel, checkpoints=checkpoints)
-  finally:
-    checkpoints.close()
   return state, resumed
 
 
@@ -87,22 +83,13 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path,
   _train_in(tmp_path, cfg.replace(train_steps=20, log_every=10))
 
 
-def test_the_attention_kernel_may_change_on_resumption(cfg):
-  # The same parameters and function; checkpoints written before the field
-  # existed resume too.
+def test_fields_added_later_count_as_their_default_on_resumption(cfg):
+  # Checkpoints written before a field existed resume under its default.
   saved = dataclasses.asdict(cfg)
-  fused = cfg.replace(attention_implementation='xla')
-  assert ckpt.config_differences(saved, fused) == []
-  del saved['attention_implementation']
+  del saved['relu_dropout_rate']
   assert ckpt.config_differences(saved, cfg) == []
-
-
-def test_fresh_sets_old_checkpoints_aside(tmp_path, cfg):
-  _train_in(tmp_path, cfg.replace(train_steps=10))
-  moved = ckpt.set_aside(str(tmp_path / 'checkpoints'))
-  assert os.path.isdir(os.path.join(moved, '10'))
-  _, resumed_from = _train_in(tmp_path, cfg.replace(train_steps=10, d_ff=128))
-  assert resumed_from == 0
+  assert ckpt.config_differences(saved, cfg.replace(relu_dropout_rate=0.1)) == [
+      'relu_dropout_rate: 0.0 -> 0.1']
 
 
 def _corrupt(step_dir):
@@ -121,7 +108,7 @@ def test_a_damaged_checkpoint_names_itself_and_the_fallback(tmp_path, cfg):
   message = str(error.value)
   assert os.path.join('checkpoints', '20') in message
   assert 'truncated or corrupted' in message
-  assert 'resume from step 10' in message
+  assert 'to use step 10' in message
 
 
 def test_a_checkpoint_of_other_shapes_is_refused(tmp_path, cfg):
@@ -130,7 +117,7 @@ def test_a_checkpoint_of_other_shapes_is_refused(tmp_path, cfg):
   wider = create_train_state(cfg.replace(d_ff=96), jax.random.key(0))
   with pytest.raises(ckpt.CheckpointError, match=r'saved \(32, 64\), model '
                      r'\(32, 96\)'):
-    checkpoints.restore(10, wider, None)
+    checkpoints.restore(10, wider)
   checkpoints.close()
 
 
@@ -140,20 +127,86 @@ def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(
   good, _ = _train_in(tmp_path, cfg)
   # A run that goes wrong: one weight becomes NaN, so every later loss is NaN.
   parallel = DataParallel(cfg)
-  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
   poisoned = good.replace(params=jax.tree.map(
       lambda x: x.at[(0,) * x.ndim].set(jnp.nan), good.params))
-  with pytest.raises(experiment.NonFiniteLoss) as error:
-    experiment.train(cfg.replace(train_steps=30), poisoned, jax.random.key(0),
-                     functools.partial(copy_task.train_batch, cfg),
-                     parallel=parallel, checkpoints=checkpoints)
-  assert error.value.step == 11
-  assert 'the loss became nan at step 11' in str(error.value)
-  assert 'step 10, is the last good one' in str(error.value)
-  assert checkpoints.latest_step() == 10
-  state, _ = checkpoints.restore(10, good, None)
+  with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
+    with pytest.raises(loop.NonFinite) as error:
+      loop.train(cfg.replace(train_steps=30), poisoned, jax.random.key(0),
+                 functools.partial(copy_task.train_batch, cfg),
+                 parallel=parallel, checkpoints=checkpoints)
+    assert error.value.step == 11
+    assert 'the loss became nan at step 11' in str(error.value)
+    assert 'step 10, is the last good one' in str(error.value)
+    assert checkpoints.latest_step() == 10
+    state, _ = checkpoints.restore(10, good)
   assert all(np.all(np.isfinite(x)) for x in _leaves(state.params))
-  checkpoints.close()
+
+
+class _DivergingUpdates:
+  """A DataParallel whose every update makes the parameters NaN.
+
+  The loss of step k is computed before update k, so every logged loss stays
+  finite: only the state itself shows the damage.
+  """
+
+  def __init__(self, parallel: DataParallel):
+    self._parallel = parallel
+
+  def __getattr__(self, name):
+    return getattr(self._parallel, name)
+
+  def train_step(self, state, batch, rng):
+    state, metrics = self._parallel.train_step(state, batch, rng)
+    return state.replace(params=jax.tree.map(lambda x: x * jnp.nan,
+                                             state.params)), metrics
+
+
+def test_a_state_that_becomes_non_finite_is_never_saved(tmp_path, cfg):
+  cfg = cfg.replace(train_steps=3, checkpoint_every=1)
+  parallel = _DivergingUpdates(DataParallel(cfg))
+  with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
+    with pytest.raises(loop.NonFinite, match='parameters or optimizer state '
+                       'became non-finite at step 1.*no checkpoint was '
+                       'written'):
+      loop.train(cfg, create_train_state(cfg, jax.random.key(0)),
+                 jax.random.key(1), functools.partial(copy_task.train_batch,
+                                                      cfg),
+                 parallel=parallel, checkpoints=checkpoints)
+    assert checkpoints.steps() == []
+
+
+def test_a_run_that_ends_non_finite_fails_even_without_checkpoints(cfg):
+  cfg = cfg.replace(train_steps=1)
+  with pytest.raises(loop.NonFinite, match='became non-finite at step 1'):
+    loop.train(cfg, create_train_state(cfg, jax.random.key(0)),
+               jax.random.key(1), functools.partial(copy_task.train_batch, cfg),
+               parallel=_DivergingUpdates(DataParallel(cfg)))
+
+
+def _flip_one_bit(step_dir):
+  """Flips one bit in the middle of the largest params data file."""
+  files = [p for p in glob.glob(os.path.join(step_dir, 'params', '**', '*'),
+                                recursive=True) if os.path.isfile(p)]
+  largest = max(files, key=os.path.getsize)
+  with open(largest, 'r+b') as f:
+    f.seek(os.path.getsize(largest) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_bit_is_refused_naming_the_step_and_the_fallback(tmp_path,
+                                                                   cfg):
+  _train_in(tmp_path, cfg.replace(train_steps=20))
+  _flip_one_bit(tmp_path / 'checkpoints' / '20')
+  with pytest.raises(ckpt.CheckpointError) as error:
+    _train_in(tmp_path, cfg.replace(train_steps=30))
+  message = str(error.value)
+  assert os.path.join('checkpoints', '20') in message
+  assert 'differ from what was saved' in message
+  assert 'move' in message and 'to use step 10' in message
+  with pytest.raises(ckpt.CheckpointError, match='differ from what was saved'):
+    ckpt.load_params(str(tmp_path / 'checkpoints'), cfg)
 
 
 def test_averaging(tmp_path, cfg):
@@ -180,28 +233,32 @@ def test_averaging(tmp_path, cfg):
   assert steps == [2, 3, 4]
   for a, b in zip(_leaves(mean), _leaves(state.params)):
     np.testing.assert_allclose(a, b + 4.0 / 3.0, rtol=1e-6, atol=1e-6)
-  with pytest.raises(ckpt.CheckpointError, match='--last=9'):
+  with pytest.raises(ckpt.CheckpointError, match='average_last=9'):
     ckpt.average_params(checkpoints, 9, like)
   checkpoints.close()
 
 
-def test_average_command_writes_params_that_load_for_inference(tmp_path, cfg):
+def test_averaged_params_save_and_load_for_inference(tmp_path, cfg):
   state, _ = _train_in(tmp_path, cfg.replace(train_steps=30))
-  result = subprocess.run(
-      [sys.executable, '-m', 'flaxformer_mini.checkpoints', 'average',
-       f'--workdir={tmp_path}', '--last=3'], capture_output=True, text=True,
-      cwd=ROOT, timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'averaged steps [10, 20, 30]' in result.stdout
-  averaged = ckpt.load_params(str(tmp_path / 'averaged'), cfg)
+  with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
+    mean, steps = ckpt.average_params(checkpoints, 3, state.params)
+  assert steps == [10, 20, 30]
+  with ckpt.Checkpoints(str(tmp_path / ckpt.AVERAGED_DIR), keep=1) as out:
+    out.save_params(30, mean, cfg, {'averaged_steps': steps})
+    out.wait()
+    out.save_params(30, mean, cfg, {'averaged_steps': steps})  # replaced
+  averaged = ckpt.load_params(str(tmp_path / ckpt.AVERAGED_DIR), cfg)
   latest = ckpt.load_params(str(tmp_path / 'checkpoints'), cfg)
   for a, b in zip(_leaves(latest), _leaves(state.params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(_leaves(averaged), _leaves(mean)):
     np.testing.assert_array_equal(a, b)
   assert not all(np.array_equal(a, b) for a, b in
                  zip(_leaves(averaged), _leaves(latest)))
   with pytest.raises(ckpt.CheckpointError, match='does not fit'):
-    ckpt.load_params(str(tmp_path / 'averaged'), cfg.replace(d_model=16,
-                                                             d_ff=32))
+    ckpt.load_params(str(tmp_path / ckpt.AVERAGED_DIR),
+                     cfg.replace(d_model=16, d_ff=32))
+  assert ckpt.read_run_config(str(tmp_path)) == cfg.replace(train_steps=30)
 
 
 def _start_training(workdir, *flags):
@@ -329,7 +386,7 @@ def test_a_time_budget_stops_before_the_window_that_would_pass_it(
   # A clock that moves one second per training step: each log window is
   # log_every seconds, and the budget holds two and a half of them.
   clock = {'now': 0.0}
-  monkeypatch.setattr(experiment.time, 'perf_counter', lambda: clock['now'])
+  monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
 
   def batch_at(step):
     clock['now'] += 1.0
@@ -337,9 +394,9 @@ def test_a_time_budget_stops_before_the_window_that_would_pass_it(
 
   budget = cfg.replace(train_steps=10_000,
                        max_train_minutes=2.5 * cfg.log_every / 60)
-  state, _ = experiment.train(budget, create_train_state(budget,
-                                                         jax.random.key(0)),
-                              jax.random.key(1), batch_at)
+  state, _ = loop.train(budget, create_train_state(budget,
+                                                   jax.random.key(0)),
+                        jax.random.key(1), batch_at)
   assert int(state.step) == 2 * cfg.log_every
 
 

@@ -1,8 +1,10 @@
 import dataclasses
+import math
 
 import pytest
 
 from flaxformer_mini import config as config_lib
+from flaxformer_mini.tasks import copy, translate
 
 
 def test_presets_match_the_paper_and_the_walkthrough():
@@ -23,30 +25,46 @@ def test_config_is_frozen():
     config_lib.get_config('toy').d_model = 4
 
 
-def test_override_parses_strings_by_field_type():
-  cfg = config_lib.override(config_lib.get_config('copy'), {
-      'd_model': '32', 'pre_norm': 'true', 'dropout_rate': '0.2'})
-  assert (cfg.d_model, cfg.pre_norm, cfg.dropout_rate) == (32, True, 0.2)
-
-
-@pytest.mark.parametrize('overrides, names', [
-    ({'num_heads': '3'}, '--num_heads'),
-    ({'dropout_rate': '1.0'}, '--dropout_rate'),
-    ({'dropout_rate': '-0.1'}, '--dropout_rate'),
-    ({'d_ff': '0'}, '--d_ff'),
-    ({'num_decoder_layers': '-1'}, '--num_decoder_layers'),
-    ({'nonsense': '1'}, '--nonsense'),
-    ({'pre_norm': 'maybe'}, '--pre_norm'),
-    ({'d_model': 'wide'}, '--d_model'),
-    ({'tgt_vocab_size': '12'}, '--share_embeddings'),
-    ({'attention_implementation': 'flash'}, 'explicit, xla, cudnn'),
-    ({'attention_implementation': 'cudnn'}, '--dtype=bfloat16'),
-    ({'attention_implementation': 'xla', 'attention_dropout_rate': '0.1'},
-     '--attention_dropout_rate=0'),
+@pytest.mark.parametrize('changes, message', [
+    ({'num_heads': 3}, r'^num_heads=3: must divide d_model=8'),
+    ({'dropout_rate': 1.0}, r'^dropout_rate=1.0: must lie in \[0, 1\)'),
+    ({'relu_dropout_rate': -0.1}, r'^relu_dropout_rate=-0.1'),
+    ({'d_ff': 0}, r'^d_ff=0: must be a positive integer'),
+    ({'seed': -1}, r'^seed=-1: must be >= 0'),
+    ({'lr_factor': math.nan}, r'^lr_factor=nan: must be a positive finite'),
+    ({'lr_factor': math.inf}, r'^lr_factor=inf'),
+    ({'layer_norm_epsilon': 0.0}, r'^layer_norm_epsilon=0.0'),
+    ({'eval_alpha': math.nan}, r'^eval_alpha=nan: must be a finite number'),
+    ({'max_train_minutes': math.inf}, r'^max_train_minutes=inf'),
+    ({'dtype': 'float16'}, r'^dtype=float16: allowed values: float32, '
+     'bfloat16'),
+    ({'tgt_vocab_size': 12}, r'^share_embeddings=True: needs one shared'),
+    ({'average_last': -1}, r'^average_last=-1'),
 ])
-def test_bad_values_name_the_field(overrides, names):
-  with pytest.raises(config_lib.ConfigError, match=names):
-    config_lib.override(config_lib.get_config('copy'), overrides)
+def test_bad_values_name_the_field(changes, message):
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.get_config('toy').replace(**changes)
+
+
+def test_task_fields_are_checked_by_their_task_only():
+  # A model with max_len 8 and one language is a model; only the copy task
+  # needs room for copy_length + 2, and only translation two languages.
+  short = config_lib.TransformerConfig(max_len=8, tgt_lang='de')
+  with pytest.raises(config_lib.ConfigError, match=r'^copy_length=10'):
+    copy.check_config(short)
+  with pytest.raises(config_lib.ConfigError, match=r'^src_lang=de: the same'):
+    translate.check_config(short)
+  with pytest.raises(config_lib.ConfigError, match=r'^src_vocab_size=3:'):
+    copy.check_config(config_lib.get_config('copy').replace(
+        src_vocab_size=3, tgt_vocab_size=3, label_smoothing=0.0))
+  with pytest.raises(config_lib.ConfigError,
+                     match=r'^tokens_per_batch=100: holds no batch'):
+    translate.check_config(config_lib.get_config('translate').replace(
+        tokens_per_batch=100))
+  with pytest.raises(config_lib.ConfigError,
+                     match=r'^average_last=9: the run keeps only'):
+    translate.check_config(config_lib.get_config('translate').replace(
+        average_last=9))
 
 
 def test_heads_error_lists_the_allowed_values():

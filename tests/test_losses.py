@@ -84,3 +84,27 @@ def test_correct_tokens_agrees_with_argmax_without_ties():
   assert int(losses.correct_tokens(logits, labels, PAD)) == int(expected)
   assert int(losses.correct_tokens(planted, labels, PAD)) == int(
       planted_expected) > 0
+
+
+@pytest.mark.parametrize('pad_logit', [-1e9, -jnp.inf, 30.0])
+def test_any_pad_logit_gives_the_same_loss_and_a_finite_gradient(pad_logit):
+  # q puts no mass on pad, so the KL cannot depend on the pad logit: a model
+  # that masks pad out of its logits (-1e9 or -inf) gets the true value, not
+  # a negative "KL" or a NaN.
+  logits, labels = _logits_and_labels()
+  q = losses.smoothed_targets(labels, VOCAB, 0.1, PAD)
+  masked = logits.at[..., PAD].set(pad_logit)
+  # The reference: KL(q || p) with p renormalised over the non-pad tokens,
+  # which is what the model's distribution is once pad has no mass.
+  log_p = jax.nn.log_softmax(jnp.where(jnp.arange(VOCAB) == PAD, -jnp.inf,
+                                       logits))
+  kl = jnp.sum(jnp.where(q > 0, q * (jnp.log(jnp.where(q > 0, q, 1)) - log_p),
+                         0.0), axis=-1)
+  loss_sum, _ = losses.label_smoothed_kl(masked, labels, 0.1, PAD)
+  if pad_logit < 0:
+    np.testing.assert_allclose(loss_sum, jnp.sum(jnp.where(labels != PAD, kl,
+                                                           0.0)), rtol=1e-5)
+  assert float(loss_sum) >= 0.0
+  gradient = jax.grad(lambda x: losses.label_smoothed_kl(x, labels, 0.1,
+                                                         PAD)[0])(masked)
+  assert np.all(np.isfinite(np.asarray(gradient)))

@@ -3,9 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_mini import tour
 from flaxformer_mini.masks import make_batch
-from flaxformer_mini.model import Transformer, scan_layers, unroll_layers
+from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
 
 
@@ -107,26 +106,3 @@ def test_dropout_is_active_only_when_not_deterministic(leak_setup):
                rngs={'dropout': jax.random.key(1)})
   np.testing.assert_array_equal(a, _forward(cfg, params, batch))
   assert not np.allclose(a, b)
-
-
-def test_scanned_layers_are_the_unrolled_layers_stacked(toy_config,
-                                                        toy_batch):
-  cfg = toy_config.replace(pre_norm=True, num_encoder_layers=3,
-                           num_decoder_layers=2)
-  scanned_cfg = cfg.replace(scan_layers=True)
-  params = init_params(scanned_cfg, jax.random.key(0))
-  assert set(params['encoder']) == {'layers', 'final_norm'}
-  kernel = params['encoder']['layers']['layer']['feed_forward']['wi']['kernel']
-  assert kernel.shape == (3, cfg.d_model, cfg.d_ff)
-  per_layer = unroll_layers(params, cfg)
-  assert set(per_layer['encoder']) == {'layer_0', 'layer_1', 'layer_2',
-                                       'final_norm'}
-  jax.tree.map(np.testing.assert_array_equal, scan_layers(per_layer, cfg),
-               params)
-  np.testing.assert_allclose(_forward(scanned_cfg, params, toy_batch),
-                             _forward(cfg, per_layer, toy_batch),
-                             rtol=1e-5, atol=1e-6)
-  # The tour names each layer's tensors, scanned or not.
-  names = [stop.name for stop in tour.tensor_tour(scanned_cfg, params,
-                                                  toy_batch)]
-  assert 'decoder/layer_1/cross_attention/weights' in names

@@ -139,7 +139,7 @@ _MULTIHOST = '''
     if process_id >= 0:
       jax.distributed.initialize(f'localhost:{port}', num_processes=2,
                                  process_id=process_id)
-    from flaxformer_mini import experiment
+    from flaxformer_mini import loop
     from flaxformer_mini.config import get_config
     from flaxformer_mini.data import copy_task
     from flaxformer_mini.training import create_train_state
@@ -147,7 +147,7 @@ _MULTIHOST = '''
     cfg = get_config('copy').replace(batch_size=16, train_steps=6,
                                      log_every=1, dropout_rate=0.0)
     shard = (jax.process_index(), jax.process_count())
-    state, history = experiment.train(
+    state, history = loop.train(
         cfg, create_train_state(cfg, jax.random.key(0)), jax.random.key(1),
         lambda step: copy_task.train_batch(cfg, step, shard))
     leaves = jax.tree.leaves(state.params)

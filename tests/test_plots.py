@@ -69,6 +69,17 @@ def test_training_curves_png(tmp_path):
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
+def test_bleu_over_time_png(tmp_path):
+  log = logbook.Logbook(str(tmp_path))
+  for step, minutes, bleu in ((100, 2.0, 10.0), (200, 4.5, 20.0)):
+    log.write('eval', {'step': step, 'wall_minutes': minutes,
+                       'val_bleu': bleu, 'val_bleu_lowercase': bleu + 1})
+  log.close()
+  path = plots.bleu_over_time(str(tmp_path))
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
 def test_training_curves_need_records(tmp_path):
   with pytest.raises(ValueError, match='no logged training steps'):
     plots.training_curves(str(tmp_path))
@@ -77,8 +88,11 @@ def test_training_curves_need_records(tmp_path):
 def test_attention_heatmaps_one_panel_per_layer_and_head():
   weights = np.random.default_rng(0).dirichlet(np.ones(4), size=(2, 3, 5))
   figure = plots.attention_heatmaps(weights, list('abcde'), list('wxyz'))
-  assert len(figure.axes) == 2 * 3
-  assert figure.axes[0].get_title() == 'layer 0 head 0'
+  assert len(figure.axes) == 2 * 3 + 1  # and one colorbar
+  assert figure.axes[0].get_title() == 'layer 0, head 0'
+  assert figure.axes[0].get_ylabel() == 'query'
+  assert figure.axes[3].get_xlabel() == 'key'
+  assert figure.axes[-1].get_ylabel() == 'attention weight'
   with pytest.raises(ValueError, match='labels'):
     plots.attention_heatmaps(weights, list('abc'), list('wxyz'))
 
@@ -90,7 +104,10 @@ def test_a_models_three_kinds_of_attention(toy_config, toy_params):
   assert list(figures) == ['encoder self_attention', 'decoder self_attention',
                            'decoder cross_attention']
   for figure in figures.values():
-    assert len(figure.axes) == 2 * 2  # toy: 2 layers x 2 heads
+    assert len(figure.axes) == 2 * 2 + 1  # toy: 2 layers x 2 heads, colorbar
   cross = figures['decoder cross_attention'].axes[0]
+  assert cross.get_ylabel() == 'decoder input (query)'
+  assert figures['decoder cross_attention'].axes[2].get_xlabel() == (
+      'source position (key)')
   assert [t.get_text() for t in cross.get_xticklabels()] == ['a', 'b', 'c']
   assert [t.get_text() for t in cross.get_yticklabels()] == ['bos', 'x']

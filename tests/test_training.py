@@ -12,10 +12,8 @@ from jax import ad_checkpoint
 
 from flaxformer_mini import losses
 from flaxformer_mini.data import copy_task
-from flaxformer_mini.model import Transformer, unroll_layers
-from flaxformer_mini.schedules import make_optimizer
-from flaxformer_mini.training import (TrainState, create_train_state, eval_step,
-                                      train_step)
+from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import create_train_state, eval_step, train_step
 
 
 @pytest.fixture(scope='module')
@@ -150,49 +148,3 @@ def test_remat_recomputes_instead_of_keeping_and_changes_no_number(
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
                                                        atol=1e-7),
                plain.params, recomputed.params)
-
-
-@pytest.mark.parametrize('remat', [False, True])
-def test_scanned_layers_train_as_the_unrolled_layers(small_copy, remat):
-  # Without dropout (whose keys nn.scan splits its own way), a step over
-  # stacked layers is the unrolled step over the same numbers.
-  cfg = small_copy.replace(dropout_rate=0.0, remat=remat)
-  scanned_cfg = cfg.replace(scan_layers=True)
-  scanned = create_train_state(scanned_cfg, jax.random.key(0))
-  stacked = scanned.params['decoder']['layers']['layer']
-  assert jax.tree.leaves(stacked)[0].shape[0] == cfg.num_decoder_layers
-  plain = TrainState.create(apply_fn=Transformer(cfg).apply,
-                            params=unroll_layers(scanned.params, cfg),
-                            tx=make_optimizer(cfg))
-  batch = copy_task.train_batch(cfg, 0)
-  for _ in range(2):
-    scanned, scanned_metrics = jax.jit(functools.partial(
-        train_step, config=scanned_cfg))(scanned, batch, jax.random.key(1))
-    plain, plain_metrics = jax.jit(functools.partial(
-        train_step, config=cfg))(plain, batch, jax.random.key(1))
-    np.testing.assert_allclose(scanned_metrics['loss_sum'],
-                               plain_metrics['loss_sum'], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
-                                                       atol=1e-6),
-               unroll_layers(scanned.params, cfg), plain.params)
-
-
-def test_scanned_layers_draw_their_own_dropout_masks(small_copy):
-  # nn.scan must split the dropout key per layer, or every layer would drop
-  # the same positions. With pre-norm, a layer's residual update is exactly
-  # zero where dropout dropped it, which shows each layer's mask.
-  cfg = small_copy.replace(dropout_rate=0.5, scan_layers=True, pre_norm=True,
-                           num_encoder_layers=3)
-  params = create_train_state(cfg, jax.random.key(0)).params
-  batch = copy_task.train_batch(cfg, 0)
-  _, state = Transformer(cfg).apply(
-      {'params': params}, batch.src, batch.src_mask, deterministic=False,
-      rngs={'dropout': jax.random.key(3)}, mutable=['intermediates'],
-      method=Transformer.encode)
-  sown = state['intermediates']['encoder']['layers']['layer']
-  (attended,), (fed_forward,) = (sown['after_self_attention'],
-                                 sown['after_feed_forward'])
-  assert attended.shape[0] == 3  # one row per layer
-  dropped = [np.asarray(attended[i] == fed_forward[i - 1]) for i in (1, 2)]
-  assert 0.4 < dropped[0].mean() < 0.6
-  assert not np.array_equal(*dropped)

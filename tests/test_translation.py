@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from flaxformer_mini import evaluation, experiment
+from flaxformer_mini import evaluation, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import batching, parallel_text, tokenizer
+from flaxformer_mini.tasks import translate as translate_task
 from conftest import MULTI30K, multi30k_lines as _lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +27,9 @@ needs_multi30k = pytest.mark.skipif(
 
 @needs_multi30k
 def test_local_builder_yields_aligned_pairs_in_file_order(tmp_path):
-  splits = parallel_text.load_local(MULTI30K, ('de', 'en'),
-                                    str(tmp_path / 'tfds'))
+  files = parallel_text.local_split_files(MULTI30K, ('de', 'en'))
+  splits = parallel_text.load_local(files, ('de', 'en'), str(tmp_path / 'tfds'),
+                                    parallel_text.fingerprint(files))
   assert {name: len(source) for name, source in splits.items()} == {
       'train': 29000, 'validation': 1014, 'test_2016_flickr': 1000}
   for split, name in (('train', 'train'), ('val', 'validation')):
@@ -52,6 +54,14 @@ def test_a_missing_data_directory_is_refused(tmp_path):
   (tmp_path / 'val.de').write_text('a\n')
   (tmp_path / 'val.en').write_text('a\n')
   with pytest.raises(parallel_text.DataError, match='no train.de'):
+    parallel_text.local_split_files(str(tmp_path), ('de', 'en'))
+  (tmp_path / 'val.de').unlink()
+  (tmp_path / 'val.en').unlink()
+  (tmp_path / 'train.de').write_text('a\n')
+  (tmp_path / 'train.en').write_text('a\n')
+  with pytest.raises(parallel_text.DataError,
+                     match=r'no val.de\[.gz\] / val.en\[.gz\] files \(the '
+                     r'validation split\)'):
     parallel_text.local_split_files(str(tmp_path), ('de', 'en'))
 
 
@@ -122,9 +132,15 @@ def test_filter_counts_empty_and_overlong_pairs():
 def test_bleu_of_references_against_themselves_is_100():
   references = _lines('val', 'en', 50) if os.path.isdir(MULTI30K) else [
       'A man rides a bike .', 'Two dogs play in the snow .']
-  score, signature = evaluation.bleu(references, references)
-  assert score == pytest.approx(100.0)
-  assert 'tok:13a' in signature and 'version:' in signature
+  scores = evaluation.bleu(references, references)
+  assert scores['bleu'] == pytest.approx(100.0)
+  assert scores['bleu_lowercase'] == pytest.approx(100.0)
+  assert 'tok:13a' in scores['signature'] and 'version:' in scores['signature']
+  assert 'case:lc' in scores['signature_lowercase']
+  assert 'case:mixed' in scores['signature']
+  shouted = evaluation.bleu([r.upper() for r in references], references)
+  assert shouted['bleu_lowercase'] == pytest.approx(100.0)
+  assert shouted['bleu'] < 50
 
 
 @pytest.fixture(scope='module')
@@ -134,9 +150,8 @@ def tiny_run(data_slice, tmp_path_factory):
       src_vocab_size=300, tgt_vocab_size=300, d_model=32, d_ff=64,
       num_heads=4, num_encoder_layers=1, num_decoder_layers=1, max_len=48,
       tokens_per_batch=1536, warmup_steps=10, train_steps=12, log_every=6,
-      eval_every=12, checkpoint_every=6, eval_beam_size=2)
-  results = experiment.run_translate(config, str(workdir), 0.0,
-                                     data_dir=str(data_slice))
+      eval_every=12, checkpoint_every=6, eval_beam_size=2, average_last=2)
+  results = translate_task.run(config, str(workdir), data_dir=str(data_slice))
   return workdir, results
 
 
@@ -151,12 +166,27 @@ def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):
   assert (data['train_pairs_used'] + data['train_skipped_empty'] +
           data['train_skipped_too_long']) == 302
   assert 0.0 <= results['test_bleu'] <= 100.0
-  assert results['bleu_signature'].startswith('nrefs:1')
-  assert results['evaluations'][0]['val_perplexity'] > 1.0
+  assert results['test']['signature'].startswith('nrefs:1')
+  assert 'case:lc' in results['test']['signature_lowercase']
+  evaluation_ = results['evaluations'][0]
+  assert evaluation_['val_perplexity'] > 1.0
+  assert 0 < evaluation_['wall_minutes'] < 60
+  assert {'val_bleu', 'val_bleu_lowercase'} <= set(evaluation_)
   assert results['history'][-1]['loss'] < results['history'][0]['loss']
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['12', '6']
+  # The last two checkpoints averaged; both scored on validation; the
+  # better one scored on test and kept for the translate command.
+  assert results['averaged_steps'] == [6, 12]
+  validation = results['validation']
+  assert set(validation) == {'latest', 'averaged'}
+  chosen = results['translate_with']
+  assert validation[chosen]['bleu'] == max(v['bleu'] for v in
+                                           validation.values())
+  assert os.path.isdir(workdir / 'averaged')
   on_disk = json.loads((workdir / 'results.json').read_text())
   assert on_disk['test_bleu'] == results['test_bleu']
+  for picture in ('curves.png', 'bleu.png'):
+    assert (workdir / picture).read_bytes()[:4] == b'\x89PNG'
 
 
 def test_translate_command_answers_every_line(tiny_run, data_slice):
@@ -183,7 +213,7 @@ def test_train_py_names_bad_translation_input(tmp_path):
   missing = run(f'--data_dir={tmp_path / "none"}')
   assert missing.returncode == 2 and '--data_dir' in missing.stderr
   neither = run()
-  assert neither.returncode == 2 and 'one of --data_dir' in neither.stderr
+  assert neither.returncode == 2 and 'needs --data_dir' in neither.stderr
   unknown = run('--dataset=no_such_dataset', f'--workdir={tmp_path}')
   assert unknown.returncode != 0
   assert 'TFDS does not know' in unknown.stderr
@@ -201,9 +231,10 @@ def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
   workdir, results = tiny_run
   config = TransformerConfig(**results['config']).replace(
       dropout_rate=0.1, log_every=4, checkpoint_every=4, eval_every=10_000)
-  splits = parallel_text.load_local(str(data_slice), ('de', 'en'),
-                                    str(workdir / 'tfds'))
-  src, tgt = experiment.pairs_of(splits['train'], ('de', 'en'))
+  files = parallel_text.local_split_files(str(data_slice), ('de', 'en'))
+  splits = parallel_text.load_local(files, ('de', 'en'), str(workdir / 'tfds'),
+                                    parallel_text.fingerprint(files))
+  src, tgt = parallel_text.pairs_of(splits['train'], ('de', 'en'))
   model = tokenizer.load_tokenizer(str(workdir / 'spm'))
   kept = batching.filter_pairs(
       [np.asarray(ids, np.int32) for ids in model.encode(src)],
@@ -215,11 +246,10 @@ def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
   def run(directory, steps):
     cfg = config.replace(train_steps=steps)
     parallel = DataParallel(cfg)
-    checkpoints = ckpt.Checkpoints(str(directory))
-    state, rng, _ = experiment.resume_or_start(cfg, checkpoints, parallel)
-    state, _ = experiment.train(cfg, state, rng, batches.batch_at,
-                                parallel=parallel, checkpoints=checkpoints)
-    checkpoints.close()
+    with ckpt.Checkpoints(str(directory)) as checkpoints:
+      state, rng, _ = loop.resume_or_start(cfg, checkpoints, parallel)
+      state, _ = loop.train(cfg, state, rng, batches.batch_at,
+                            parallel=parallel, checkpoints=checkpoints)
     return jax.tree.leaves((state.params, state.opt_state))
 
   whole = run(tmp_path / 'whole', 16)

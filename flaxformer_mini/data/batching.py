@@ -125,7 +125,9 @@ class TokenBatches:
 
   def make(self, members, length: int, rows: int,
            shard: tuple[int, int] = (0, 1)) -> Batch:
-    """The Batch of examples `members`, padded to [rows, length]."""
+    """The Batch of examples `members`: src int32[rows, length], tgt_in and
+    tgt_out int32[rows, length], rows past the members all pad (shard
+    `index` of `count` of them)."""
     cfg = self.config
     src = np.full((rows, length), cfg.pad_id, np.int32)
     tgt = np.full((rows, length + 1), cfg.pad_id, np.int32)

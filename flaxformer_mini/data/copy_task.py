@@ -14,27 +14,21 @@ from flaxformer_mini.masks import Batch, make_batch
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 
 
-def first_token_id(config: TransformerConfig) -> int:
-  """The smallest id that is not a special id."""
-  return max(config.pad_id, config.bos_id, config.eos_id) + 1
-
-
 def random_sequences(config: TransformerConfig, batch_size: int,
                      seed_words: tuple[int, ...]) -> np.ndarray:
-  """Random ordinary tokens: -> int32[batch_size, copy_length]."""
-  low = first_token_id(config)
+  """Random ordinary tokens: -> int32[batch_size, copy_length].
+
+  The config must have ordinary ids (tasks.copy.check_config checks it).
+  """
+  low = config.first_ordinary_id
   high = min(config.src_vocab_size, config.tgt_vocab_size)
-  if low >= high:
-    raise ValueError(
-        f'the copy task needs ordinary tokens above the special ids; raise '
-        f'--src_vocab_size/--tgt_vocab_size above {low}.')
   rng = np.random.default_rng(seed_words)
   return rng.integers(low, high, size=(batch_size, config.copy_length),
                       dtype=np.int32)
 
 
 def with_bos_eos(sequences: np.ndarray, config: TransformerConfig) -> np.ndarray:
-  """[batch, len] -> [batch, len + 2]: bos, the sequence, eos."""
+  """sequences: int32[batch, len] -> int32[batch, len + 2]: bos, the sequence, eos."""
   batch_size = sequences.shape[0]
   return np.concatenate([
       np.full((batch_size, 1), config.bos_id, np.int32), sequences,
@@ -46,7 +40,8 @@ def train_batch(config: TransformerConfig, step: int,
                 shard: tuple[int, int] = (0, 1)) -> Batch:
   """Shard `index` of `count` of the global training batch of `step`.
 
-  Returns src [batch / count, L] and tgt_in / tgt_out [batch / count, L + 1]:
+  Returns a Batch of src int32[batch / count, L] and tgt_in / tgt_out
+  int32[batch / count, L + 1]:
   the consecutive block of rows that process `index` of `count` feeds (the
   whole global batch by default).
   """

@@ -6,16 +6,20 @@ TensorFlow at training time.
 
   * Local files in the Multi30k task-1 layout (`train.de.gz`, `train.en.gz`,
     `val.*`, `test_2016_flickr.*`, gzipped or plain) go through the project's
-    own builder, `LocalParallelText`, prepared under WORKDIR/tfds.
+    own builder, `LocalParallelText`, prepared under WORKDIR/tfds. What is
+    prepared is named for a fingerprint of the files' contents, so changed
+    files are prepared again, never read stale.
   * A catalog dataset by name (e.g. `wmt14_translate/de-en`,
     `ted_hrlr_translate/pt_to_en`) must already be prepared in --tfds_dir
-    (preparing WMT needs TensorFlow and internet: `pip install
-    'flaxformer_mini[tfds-build]'`, then `tfds build NAME`); an unprepared one
-    is an error here, never a silent download attempt.
+    (preparing WMT needs TensorFlow and internet: `pip install tensorflow`,
+    then `tfds build NAME`); an unprepared one is an error here, never a
+    silent download attempt.
 """
 
 import gzip
+import hashlib
 import os
+import zlib
 
 import tensorflow_datasets as tfds
 
@@ -23,12 +27,31 @@ from flaxformer_mini.data import DataError
 
 # File prefix -> TFDS split name.
 _SPLIT_NAMES = {'train': 'train', 'val': 'validation'}
+# What a damaged or mis-encoded text file raises while it is read.
+_UNREADABLE = (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile,
+               OSError)
 
 
 def open_text(path: str):
   """A text file, gzipped or plain, opened for reading as UTF-8."""
   opener = gzip.open if path.endswith('.gz') else open
   return opener(path, 'rt', encoding='utf-8')
+
+
+def _count_lines(path: str) -> int:
+  """Lines of a text file, or a DataError naming the line that cannot be read."""
+  count = 0
+  try:
+    with open_text(path) as f:
+      for _ in f:
+        count += 1
+  except _UNREADABLE as e:
+    why = ('is not UTF-8 text' if isinstance(e, UnicodeDecodeError) else
+           f'is truncated or corrupt ({type(e).__name__}: '
+           f'{str(e).splitlines()[0][:120] if str(e) else ""})')
+    raise DataError(f'{path}: line {count + 1} {why}; fix or replace the '
+                    'file.') from None
+  return count
 
 
 def _find(directory: str, prefix: str, lang: str) -> str | None:
@@ -43,8 +66,9 @@ def local_split_files(directory: str, languages: tuple[str, str]) -> dict[
   """{split: (file of language 1, file of language 2)} with line counts checked.
 
   Raises:
-    DataError: a missing directory, no train files, a split present in one
-      language only, or files whose line counts differ.
+    DataError: a missing directory, no train or no val files, a split
+      present in one language only, a file that cannot be read (naming its
+      line), or files whose line counts differ.
   """
   if not os.path.isdir(directory):
     raise DataError(f'--data_dir={directory}: no such directory; point it at '
@@ -59,19 +83,31 @@ def local_split_files(directory: str, languages: tuple[str, str]) -> dict[
       missing = languages[paths.index(None)]
       raise DataError(f'{directory}: {prefix} has no {missing} file '
                       f'({prefix}.{missing}[.gz]).')
-    counts = []
-    for path in paths:
-      with open_text(path) as f:
-        counts.append(sum(1 for _ in f))
+    counts = [_count_lines(path) for path in paths]
     if counts[0] != counts[1]:
       raise DataError(
           f'{paths[0]} has {counts[0]} lines but {paths[1]} has {counts[1]}: '
           'line i of one must translate line i of the other.')
     splits[_SPLIT_NAMES.get(prefix, prefix)] = tuple(paths)
-  if 'train' not in splits:
-    raise DataError(f'{directory}: no train.{languages[0]}[.gz] / '
-                    f'train.{languages[1]}[.gz] files.')
+  for prefix, split in _SPLIT_NAMES.items():
+    if split not in splits:
+      raise DataError(f'{directory}: no {prefix}.{languages[0]}[.gz] / '
+                      f'{prefix}.{languages[1]}[.gz] files (the {split} '
+                      'split).')
   return splits
+
+
+def fingerprint(files: dict[str, tuple[str, str]]) -> str:
+  """A hash of the splits' names and file contents: what the data is."""
+  digest = hashlib.sha256()
+  for split, paths in sorted(files.items()):
+    digest.update(split.encode())
+    for path in paths:
+      digest.update(os.path.basename(path).encode())
+      with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+          digest.update(block)
+  return digest.hexdigest()[:16]
 
 
 class LocalParallelText(tfds.core.GeneratorBasedBuilder):
@@ -82,18 +118,17 @@ class LocalParallelText(tfds.core.GeneratorBasedBuilder):
   """
   VERSION = tfds.core.Version('1.0.0')
 
-  def __init__(self, *, source_dir: str, languages: tuple[str, str],
-               **kwargs):
-    self._source_dir = os.path.abspath(source_dir)
+  def __init__(self, *, files: dict[str, tuple[str, str]],
+               languages: tuple[str, str], **kwargs):
+    self._files = files
     self._languages = tuple(languages)
-    self._files = local_split_files(self._source_dir, self._languages)
     super().__init__(**kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
         features=tfds.features.FeaturesDict(
             {lang: tfds.features.Text() for lang in self._languages}),
-        description=f'Parallel text from {self._source_dir}.',
+        description='Parallel text from local files.',
         disable_shuffling=True)
 
   def _split_generators(self, dl_manager):
@@ -108,27 +143,30 @@ class LocalParallelText(tfds.core.GeneratorBasedBuilder):
                       self._languages[1]: b.strip()}
 
 
-def load_local(source_dir: str, languages: tuple[str, str],
-               tfds_dir: str) -> dict:
-  """Prepares (once) and opens local parallel files: {split: data source}.
+def load_local(files: dict[str, tuple[str, str]], languages: tuple[str, str],
+               tfds_dir: str, content: str) -> dict:
+  """Prepares (once per content) and opens local files: {split: data source}.
 
-  Each data source is random-access: `source[i]` is {lang: bytes}.
+  files: from `local_split_files`; content: their `fingerprint`, which names
+  what is prepared. Each data source is random-access: `source[i]` is
+  {lang: bytes}.
   """
-  pair = '-'.join(sorted(languages))  # one prepared dataset per language pair
+  name = f'{"-".join(sorted(languages))}-{content}'
   builder = LocalParallelText(
-      source_dir=source_dir, languages=languages, data_dir=tfds_dir,
-      config=tfds.core.BuilderConfig(name=pair), file_format='array_record')
+      files=files, languages=languages, data_dir=tfds_dir,
+      config=tfds.core.BuilderConfig(name=name), file_format='array_record')
   builder.download_and_prepare()
   return builder.as_data_source()
 
 
-def load_catalog(name: str, tfds_dir: str) -> dict:
+def load_catalog(name: str, tfds_dir: str | None) -> dict:
   """Opens a prepared TFDS catalog dataset: {split: data source}.
 
   Raises:
-    DataError: TFDS does not know the name, or it is not prepared in
+    DataError: TFDS does not know the name, it is not prepared in
       `tfds_dir` (offline it would otherwise retry downloads for minutes, and
-      `data_source(..., download=False)` would return an empty dict).
+      `data_source(..., download=False)` would return an empty dict), or it
+      has no validation split.
   """
   if name.startswith('wmt'):
     # Without h5py, the WMT builders register only when imported directly.
@@ -145,4 +183,16 @@ def load_catalog(name: str, tfds_dir: str) -> dict:
         'it once where there is internet (`pip install tensorflow; tfds build '
         f'{name} --data_dir={tfds_dir} --file_format=array_record`), or use '
         '--data_dir with local files.')
-  return builder.as_data_source()
+  sources = builder.as_data_source()
+  if 'validation' not in sources:
+    raise DataError(f'--dataset={name} has no validation split (it has '
+                    f'{", ".join(sources)}); translation needs one.')
+  return sources
+
+
+def pairs_of(source, languages: tuple[str, str]) -> tuple[list[str],
+                                                          list[str]]:
+  """All (source text, target text) of a TFDS data source, in order."""
+  examples = source.__getitems__(range(len(source)))
+  return ([e[languages[0]].decode('utf-8') for e in examples],
+          [e[languages[1]].decode('utf-8') for e in examples])

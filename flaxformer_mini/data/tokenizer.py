@@ -6,42 +6,56 @@ from the config: pad, bos and eos as configured, unk right after them.
 """
 
 import os
+import re
 from typing import Iterable
 
 import sentencepiece as spm
 
 from flaxformer_mini.config import TransformerConfig
-
-
-def unk_id(config: TransformerConfig) -> int:
-  return max(config.pad_id, config.bos_id, config.eos_id) + 1
+from flaxformer_mini.data import DataError
 
 
 def train_tokenizer(sentences: Iterable[str], path: str,
                     config: TransformerConfig) -> spm.SentencePieceProcessor:
-  """Trains a unigram model of config.src_vocab_size pieces into `path`.model."""
+  """Trains a unigram model of config.src_vocab_size pieces into `path`.model.
+
+  Raises:
+    DataError: the training text cannot make that many pieces.
+  """
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(sentences), model_prefix=path,
-      vocab_size=config.src_vocab_size, model_type='unigram',
-      character_coverage=1.0, pad_id=config.pad_id, bos_id=config.bos_id,
-      eos_id=config.eos_id, unk_id=unk_id(config),
-      input_sentence_size=2_000_000, shuffle_input_sentence=True,
-      minloglevel=2)
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_prefix=path,
+        vocab_size=config.src_vocab_size, model_type='unigram',
+        character_coverage=1.0, pad_id=config.pad_id, bos_id=config.bos_id,
+        eos_id=config.eos_id, unk_id=config.first_ordinary_id,
+        input_sentence_size=2_000_000, shuffle_input_sentence=True,
+        minloglevel=2)
+  except RuntimeError as e:
+    most = re.search(r'value <= (\d+)', str(e))
+    if not most:
+      raise
+    raise DataError(
+        f'--src_vocab_size={config.src_vocab_size} is more pieces than '
+        f'SentencePiece can make of this training text (at most '
+        f'{most.group(1)}); lower --src_vocab_size and --tgt_vocab_size.'
+    ) from None
   return load_tokenizer(path)
 
 
 def load_tokenizer(path: str) -> spm.SentencePieceProcessor:
+  """The SentencePiece model `path`.model."""
   return spm.SentencePieceProcessor(model_file=f'{path}.model')
 
 
 def check_special_ids(tokenizer: spm.SentencePieceProcessor,
                       config: TransformerConfig) -> None:
-  """A vocabulary trained for other ids or another size is refused."""
+  """Raises DataError where the vocabulary has other special ids or size."""
   found = (tokenizer.pad_id(), tokenizer.bos_id(), tokenizer.eos_id(),
            tokenizer.get_piece_size())
   wanted = (config.pad_id, config.bos_id, config.eos_id, config.src_vocab_size)
   if found != wanted:
-    raise ValueError(
-        f'the SentencePiece model has (pad, bos, eos, size) = {found}, the '
-        f'config {wanted}; use a fresh --workdir or matching flags.')
+    raise DataError(
+        f'the SentencePiece model has (pad, bos, eos, size) = {found} but the '
+        f'config asks for {wanted}; use --fresh to prepare it again, or '
+        'matching flags.')

@@ -1,0 +1,308 @@
+"""The training loop around the pure step: progress, checkpoints, signals, guards.
+
+The loop keeps each step's metrics on the device and fetches them every
+`log_every` steps, so the host never waits for the device between two logs.
+It saves a checkpoint every `checkpoint_every` steps, at every evaluation and
+at the end; turns SIGINT / SIGTERM into a last checkpoint and a clean exit;
+and never saves a state that is not finite: the losses since the last fetch
+and the state itself are checked before every save.
+"""
+
+import contextlib
+import dataclasses
+import signal
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from flaxformer_mini import logbook, plots
+from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
+                                         config_differences)
+from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.masks import Batch
+from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.training import TrainState, create_train_state
+from flaxformer_mini.workdir import Workdir
+
+_SUMMED = ('loss_sum', 'ntokens', 'correct')
+
+# evaluate(state) -> (score, higher is better; stop training now?)
+Evaluate = Callable[[TrainState], tuple[float, bool]]
+
+
+class Interrupted(Exception):
+  """SIGINT or SIGTERM arrived; the last step's checkpoint is on disk."""
+
+  def __init__(self, signum: int, when: str, checkpoint: str | None):
+    self.signum, self.checkpoint = signum, checkpoint
+    where = (f'checkpoint saved at {checkpoint}; run the same command again '
+             'to resume' if checkpoint else 'no checkpoint was saved')
+    super().__init__(f'interrupted by {signal.Signals(signum).name} {when}: '
+                     f'{where}.')
+
+
+class NonFinite(Exception):
+  """The loss or the training state became NaN or infinite."""
+
+  def __init__(self, what: str, step: int, last_good: int | None):
+    self.step = step
+    kept = (f'the latest checkpoint, step {last_good}, is the last good one'
+            if last_good is not None else 'no checkpoint was written')
+    super().__init__(
+        f'{what} at step {step}; training stopped and {kept}. Lower '
+        '--lr_factor, raise --warmup_steps, or use float32.')
+
+
+class SignalCatcher:
+  """SIGINT / SIGTERM during a run (main thread only).
+
+  Inside `deferred()` (the training loop) a signal is only recorded, so the
+  current step ends and a checkpoint is saved; anywhere else it raises
+  Interrupted at once (`when` says where the run was).
+  """
+
+  def __init__(self):
+    self.received: int | None = None
+    self.when = 'before training started'
+    self.checkpoint: str | None = None
+    self._deferring = False
+    self._previous = {}
+
+  def __enter__(self):
+    try:
+      for signum in (signal.SIGINT, signal.SIGTERM):
+        self._previous[signum] = signal.signal(signum, self._handle)
+    except ValueError:  # not the main thread: leave the handlers alone
+      pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signum
+    if not self._deferring:
+      raise Interrupted(signum, self.when, self.checkpoint)
+
+  @contextlib.contextmanager
+  def deferred(self):
+    self._deferring = True
+    try:
+      yield self
+    finally:
+      self._deferring = False
+
+  def __exit__(self, *exc):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  """True where every floating-point leaf of `tree` is finite: -> bool[]."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def train(config: TransformerConfig, state: TrainState, rng,
+          batch_at: Callable[[int], Batch], evaluate: Evaluate | None = None,
+          parallel: DataParallel | None = None,
+          checkpoints: Checkpoints | None = None,
+          log: logbook.Logbook | None = None,
+          signals: SignalCatcher | None = None):
+  """Runs the data-parallel train_step from state.step to config.train_steps.
+
+  Args:
+    config: the run's config.
+    state: the initial TrainState (one ordinary copy).
+    rng: the base dropout key (see train_step).
+    batch_at: step -> this process's rows of the Batch of that step.
+    evaluate: called every `eval_every` steps with one ordinary copy of the
+      state; its score is saved with the checkpoint, and it may stop training.
+    parallel: how the step is mapped over the devices (default: every
+      device, with config.parallel).
+    checkpoints: where to save every `checkpoint_every` steps and at the end.
+    log: where each logged record goes as well (metrics.jsonl, TensorBoard).
+    signals: the run's SignalCatcher (default: one for this loop alone).
+
+  Returns:
+    (final state, history): one dict per log with step, loss, accuracy,
+    learning_rate and target tokens/s.
+
+  Raises:
+    Interrupted: after SIGINT / SIGTERM, once the checkpoint is written.
+    NonFinite: at the first non-finite loss, or when the state to be saved
+      (or the final one) is not finite.
+  """
+  parallel = parallel or DataParallel(config, config.parallel)
+  history, pending = [], []  # pending: per-step metrics not yet fetched
+  last_saved = checkpoints.latest_step() if checkpoints else None
+  first_step = done = int(state.step)
+  placed = parallel.put_state(state)
+  window_start = started = last_check = time.perf_counter()
+  deadline = config.max_train_minutes * 60 or float('inf')
+
+  def check_pending():
+    """Fetches the pending metrics; raises at the first non-finite loss."""
+    fetched = [parallel.fetch(m) for m in pending]
+    for offset, metrics in enumerate(fetched):
+      if not np.isfinite(metrics['loss_sum']):
+        raise NonFinite(f'the loss became {float(metrics["loss_sum"])}',
+                        done - len(fetched) + offset + 1, last_saved)
+    return fetched
+
+  def check_state():
+    check_pending()
+    if not bool(parallel.fetch(_all_finite(placed))):
+      raise NonFinite('the parameters or optimizer state became non-finite',
+                      done, last_saved)
+
+  def save(step, score=None):
+    nonlocal last_saved
+    if checkpoints is not None and last_saved != step:
+      check_state()  # never save a state that is not finite
+      checkpoints.save(step, parallel.savable_state(placed), rng, config,
+                       score)
+      last_saved = step
+
+  own_signals = signals is None
+  with contextlib.ExitStack() as stack:
+    if own_signals:
+      signals = stack.enter_context(SignalCatcher())
+    progress = stack.enter_context(tqdm.tqdm(
+        total=config.train_steps, initial=first_step, unit='step',
+        dynamic_ncols=True, disable=jax.process_index() > 0))
+    stack.enter_context(signals.deferred())
+    if checkpoints is not None:  # before the signals stop being deferred
+      stack.callback(checkpoints.wait)
+    for step in range(first_step, config.train_steps):
+      placed, metrics = parallel.train_step(
+          placed, parallel.put_batch(batch_at(step)), rng)
+      pending.append(metrics)
+      done = step + 1
+      if done % config.log_every == 0 or done == config.train_steps:
+        fetched = check_pending()
+        sums = {k: sum(m[k] for m in fetched) for k in _SUMMED}
+        seconds = time.perf_counter() - window_start
+        record = {
+            'step': done,
+            'loss': float(sums['loss_sum'] / max(sums['ntokens'], 1)),
+            'accuracy': float(sums['correct'] / max(sums['ntokens'], 1)),
+            'learning_rate': float(fetched[-1]['learning_rate']),
+            'target_tokens_per_s': float(sums['ntokens'] / seconds),
+            'minutes': (time.perf_counter() - started) / 60,
+        }
+        history.append(record)
+        if log is not None:
+          log.write('train', record)
+        progress.set_postfix(loss=f"{record['loss']:.4f}",
+                             lr=f"{record['learning_rate']:.2e}",
+                             tok_s=f"{record['target_tokens_per_s']:.0f}")
+        progress.update(done - progress.n)
+        pending, window_start = [], time.perf_counter()
+      score, stop = None, False
+      if evaluate is not None and done % config.eval_every == 0:
+        check_state()  # evaluate (and save) only a finite state
+        score, stop = evaluate(parallel.get_state(placed))
+      # The time limit is checked at log boundaries, where the host syncs:
+      # stop at the last one the budget reaches, judging the next window
+      # (steps and any evaluation) by the one just finished.
+      if not pending:
+        now = time.perf_counter()
+        if now - started + (now - last_check) > deadline:
+          tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes}'
+                          f': stopping after step {done}, as the next '
+                          f'{config.log_every} steps would pass it')
+          stop = True
+        last_check = now
+      every = config.checkpoint_every
+      if ((every and done % every == 0) or score is not None or stop or
+          signals.received is not None):
+        save(done, score)
+      if signals.received is not None:
+        raise Interrupted(signals.received, f'after step {done}',
+                          checkpoints and checkpoints.step_path(done))
+      if stop:
+        break
+    save(done)
+    check_state()  # also where nothing is saved: never end non-finite
+  if checkpoints is not None and last_saved is not None:
+    signals.checkpoint = checkpoints.step_path(last_saved)
+  signals.when = f'after training, at step {done}'
+  return parallel.get_state(placed), history
+
+
+def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
+                    parallel: DataParallel) -> tuple[TrainState, object, int]:
+  """The latest checkpoint of a compatible run, or a fresh state.
+
+  Returns (state, dropout key, the step resumed from or 0).
+
+  Raises:
+    CheckpointError: the checkpoints were written with a different config,
+      or the latest one cannot be read.
+  """
+  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
+  state = create_train_state(config, init_rng)
+  latest = checkpoints.latest_step()
+  if latest is None:
+    return state, dropout_rng, 0
+  differences = config_differences(checkpoints.read_meta(latest)['config'],
+                                   config)
+  if differences:
+    raise CheckpointError(
+        f'{checkpoints.directory} holds checkpoints of another config ('
+        + '; '.join(differences) + '). Use those values, another --workdir, '
+        'or --fresh to set the old run aside and start over.')
+  state, meta = checkpoints.restore(latest, state, parallel.replicated)
+  rng = jax.random.wrap_key_data(np.asarray(meta['rng'], np.uint32))
+  return state, rng, latest
+
+
+@dataclasses.dataclass
+class TrainingRun:
+  """What one training run writes into its workdir, opened for the run."""
+  config: TransformerConfig
+  workdir: Workdir
+  parallel: DataParallel
+  checkpoints: Checkpoints
+  state: TrainState
+  rng: jax.Array
+  resumed_from: int
+  log: logbook.Logbook | None  # None on processes other than the first
+
+  @classmethod
+  def open(cls, config: TransformerConfig, workdir: Workdir,
+           parallel: DataParallel) -> 'TrainingRun':
+    """Resumes WORKDIR/checkpoints if they hold a run, else starts one."""
+    checkpoints = Checkpoints(workdir.path_of('checkpoints'),
+                              config.keep_checkpoints)
+    try:
+      state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
+    except BaseException:
+      checkpoints.close()
+      raise
+    if resumed_from:
+      print(f'resuming from step {resumed_from} of {checkpoints.directory}')
+    log = (logbook.Logbook(workdir.path, resumed_from)
+           if jax.process_index() == 0 else None)
+    return cls(config, workdir, parallel, checkpoints, state, rng,
+               resumed_from, log)
+
+  def train(self, batch_at: Callable[[int], Batch], evaluate: Evaluate | None,
+            signals: SignalCatcher):
+    """loop.train from the opened state; -> (final state, history)."""
+    return train(self.config, self.state, self.rng, batch_at, evaluate,
+                 self.parallel, self.checkpoints, self.log, signals)
+
+  def close(self, title: str) -> None:
+    """Waits for the last checkpoint; closes the logbook and draws curves.png."""
+    self.checkpoints.close()
+    if self.log is not None:
+      self.log.close()
+      if logbook.read_records(self.workdir.path).get('train'):
+        plots.training_curves(self.workdir.path, title)
+

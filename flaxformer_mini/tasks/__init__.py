@@ -1,0 +1,1 @@
+"""What train.py trains: `copy` (the one-minute wiring check) and `translate`."""

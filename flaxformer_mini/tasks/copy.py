@@ -1,0 +1,142 @@
+"""The copy task: train until the model copies fresh random sequences exactly.
+
+`run` trains on batches that are a pure function of (seed, step), evaluates
+greedy exact match on fresh sequences every `eval_every` steps, stops after
+PERFECT_IN_A_ROW evaluations in a row copy every sequence, then scores a last
+draw that training never saw and writes WORKDIR/results.json.
+"""
+
+import dataclasses
+import functools
+import time
+
+import jax
+import numpy as np
+import tqdm
+
+from flaxformer_mini import decoding, logbook
+from flaxformer_mini.config import ConfigError, TransformerConfig
+from flaxformer_mini.data import copy_task
+from flaxformer_mini.loop import SignalCatcher, TrainingRun
+from flaxformer_mini.parallel import (DataParallel, check_divisible,
+                                      decode_sharded)
+from flaxformer_mini.training import TrainState
+from flaxformer_mini.workdir import Workdir
+
+# Exact match is measured on this many fresh sequences per evaluation.
+EVAL_SEQUENCES = 1024
+# One perfect evaluation can be luck near the end of learning; three in a
+# row (two more evaluation windows of training) leave the final draw
+# copied exactly too.
+PERFECT_IN_A_ROW = 3
+
+
+def check_config(config: TransformerConfig) -> None:
+  """The copy task's own fields, checked before anything is compiled.
+
+  Raises:
+    ConfigError: naming the field.
+  """
+  if config.copy_length + 2 > config.max_len:
+    raise ConfigError(f'copy_length={config.copy_length}: with bos and eos '
+                      f'it must fit in max_len={config.max_len}.')
+  smallest = min(config.src_vocab_size, config.tgt_vocab_size)
+  if config.first_ordinary_id >= smallest:
+    raise ConfigError(
+        f'src_vocab_size={config.src_vocab_size}: the copy task needs '
+        'ordinary tokens above the special ids; raise src_vocab_size and '
+        f'tgt_vocab_size above {config.first_ordinary_id}.')
+  check_divisible(config.batch_size)
+
+
+def exact_match(params, config: TransformerConfig, decode_fn, draw: int,
+                parallel: DataParallel) -> tuple[float, np.ndarray, np.ndarray]:
+  """Greedy-decodes EVAL_SEQUENCES fresh sequences of draw `draw`.
+
+  Returns (exact-match fraction, sources int32[n, copy_length], decodes
+  int32[n, copy_length + 1]).
+  """
+  sources = copy_task.eval_sequences(config, EVAL_SEQUENCES, draw)
+  decoded = decode_sharded(decode_fn, params, sources, parallel, config.pad_id)
+  return copy_task.exact_match(decoded, sources, config), sources, decoded
+
+
+def _perfect_streak(workdir: Workdir) -> int:
+  """Evaluations in a row, counted back from the last logged, that were perfect."""
+  streak = 0
+  for record in reversed(logbook.read_records(workdir.path).get('eval', [])):
+    if record.get('exact_match') != 1.0:
+      break
+    streak += 1
+  return streak
+
+
+def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
+        start_time: float | None = None) -> dict:
+  """Trains on the copy task until it copies, then evaluates on fresh data.
+
+  Resumes from WORKDIR/checkpoints when they hold a run of a compatible
+  config; `fresh` first sets everything earlier runs wrote aside. Writes
+  WORKDIR/results.json and returns its contents.
+
+  Raises:
+    ConfigError, WorkdirError, CheckpointError: before anything compiles.
+    loop.NonFinite, loop.Interrupted: see loop.train.
+  """
+  start_time = time.perf_counter() if start_time is None else start_time
+  check_config(config)
+  with Workdir(workdir_path) as workdir, SignalCatcher() as signals:
+    if fresh and (moved := workdir.set_aside()):
+      print(f'--fresh: the earlier run is now in {moved}')
+    parallel = DataParallel(config, config.parallel)
+    training = TrainingRun.open(config, workdir, parallel)
+    decode_fn = jax.jit(functools.partial(
+        decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
+    streak = _perfect_streak(workdir) if training.resumed_from else 0
+
+    def evaluate(state: TrainState) -> tuple[float, bool]:
+      nonlocal streak
+      # The draw is the step, so a resumed run evaluates on the same data.
+      match, _, _ = exact_match(state.params, config, decode_fn,
+                                int(state.step), parallel)
+      tqdm.tqdm.write(f'step {int(state.step)}: exact match {match:.4f} on '
+                      f'{EVAL_SEQUENCES} fresh sequences')
+      if training.log is not None:
+        training.log.write('eval', {'step': int(state.step), 'exact_match': match})
+      streak = streak + 1 if match == 1.0 else 0
+      return match, streak >= PERFECT_IN_A_ROW
+
+    shard = (jax.process_index(), jax.process_count())
+    try:
+      state, history = training.train(
+          lambda step: copy_task.train_batch(config, step, shard), evaluate,
+          signals)
+    finally:
+      training.close('copy task')
+    signals.when = 'during the final evaluation'
+    # Draw 0 is never used during training: the final score is on unseen data.
+    match, sources, decoded = exact_match(state.params, config, decode_fn, 0,
+                                          parallel)
+    results = {
+        'task': 'copy',
+        'config': dataclasses.asdict(config),
+        'devices': jax.device_count(),
+        'processes': jax.process_count(),
+        'steps': int(state.step),
+        'resumed_from': training.resumed_from,
+        'final_loss': history[-1]['loss'] if history else None,
+        'exact_match': match,
+        'eval_sequences': EVAL_SEQUENCES,
+        'checkpoints': training.checkpoints.directory,
+        'wall_seconds': time.perf_counter() - start_time,
+        'history': history,
+    }
+    if jax.process_index() == 0:  # one writer in a multi-host run
+      for source, output in list(zip(sources, decoded))[:4]:
+        print(f'source: {" ".join(map(str, source))}\n'
+              f'output: {" ".join(map(str, output))}')
+      path = workdir.write_json('results.json', results)
+      print(f'exact match {match:.4f} after {results["steps"]} steps on '
+            f'{results["devices"]} device(s), {results["wall_seconds"]:.1f} '
+            f's; results in {path}')
+  return results
