@@ -198,6 +198,9 @@ def train(config: TransformerConfig, state: TrainState, rng,
         history.append(record)
         if log is not None:
           log.write('train', record)
+        if len(history) == 1:
+          _warn_if_the_budget_is_short(config, done - first_step,
+                                       time.perf_counter() - started)
         progress.set_postfix(loss=f"{record['loss']:.4f}",
                              lr=f"{record['learning_rate']:.2e}",
                              tok_s=f"{record['target_tokens_per_s']:.0f}")
@@ -233,6 +236,27 @@ def train(config: TransformerConfig, state: TrainState, rng,
     signals.checkpoint = checkpoints.step_path(last_saved)
   signals.when = f'after training, at step {done}'
   return parallel.get_state(placed), history
+
+
+def _warn_if_the_budget_is_short(config: TransformerConfig, steps: int,
+                                 seconds: float) -> None:
+  """Says at the first log when --max_train_minutes ends before the saves."""
+  if not config.max_train_minutes or not steps:
+    return
+  reach = int(steps / seconds * config.max_train_minutes * 60)
+  if reach >= config.train_steps:
+    return  # the steps end the run first
+  every = config.checkpoint_every
+  short = []
+  if every and reach < every:
+    short.append(f'the first checkpoint (--checkpoint_every={every}); the '
+                 'run saves only when it stops')
+  elif every and config.average_last > 1 and reach < every * config.average_last:
+    short.append(f'{config.average_last} checkpoints to average '
+                 f'(--average_last, every {every} steps)')
+  if short:
+    tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes} reaches '
+                    f'about step {reach} at this speed, before ' + short[0])
 
 
 def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,

@@ -19,6 +19,8 @@ num_processes rows of the global batch (its own shard of the data).
 
 import dataclasses
 import functools
+import socket
+import time
 
 import jax
 import jax.numpy as jnp
@@ -47,15 +49,20 @@ def initialize_multihost(coordinator_address: str | None = None,
   On Cloud TPU pods and SLURM/Kubernetes GPU clusters JAX finds the other
   processes itself; elsewhere pass the coordinator's host:port, the number of
   processes and this process's index. Waits at most `timeout_s` for all of
-  them.
+  them: a process other than the coordinator first waits for the
+  coordinator's port to open (a clear error if it never does); the
+  coordinator waits for the others inside JAX, which ends the process with
+  DEADLINE_EXCEEDED if they do not come.
 
   Raises:
-    MultihostError: no cluster was found, or not every process came in time.
+    MultihostError: no cluster was found, or no coordinator answered.
   """
   if coordinator_address:
     print(f'joining {num_processes} processes at {coordinator_address} as '
           f'process {process_id}; waiting up to {timeout_s} s for all of '
           'them to start', flush=True)
+    if process_id:
+      _wait_for_port(coordinator_address, timeout_s)
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes,
@@ -68,6 +75,23 @@ def initialize_multihost(coordinator_address: str | None = None,
         'cluster JAX detects (Cloud TPU, SLURM, Kubernetes) start one process '
         'per host; elsewhere give --coordinator_address, --num_processes and '
         '--process_id, and start every process.') from None
+
+
+def _wait_for_port(address: str, timeout_s: int) -> None:
+  """Returns once host:port accepts a connection; MultihostError after timeout_s."""
+  host, _, port = address.rpartition(':')
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=5):
+        return
+    except OSError:
+      if time.monotonic() > deadline:
+        raise MultihostError(
+            f'no coordinator answered at {address} within {timeout_s} s: '
+            'start process 0 there first (or check --coordinator_address).'
+        ) from None
+      time.sleep(1)
 
 
 def check_divisible(batch_size: int, what: str = 'batch_size') -> None:

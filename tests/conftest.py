@@ -71,6 +71,25 @@ def data_slice(tmp_path_factory):
   return directory
 
 
+def tiny_translation_config():
+  """The translate preset shrunk to train 12 steps on data_slice in seconds."""
+  return get_config('translate').replace(
+      src_vocab_size=300, tgt_vocab_size=300, d_model=32, d_ff=64,
+      num_heads=4, num_encoder_layers=1, num_decoder_layers=1, max_len=48,
+      tokens_per_batch=1536, warmup_steps=10, train_steps=12, log_every=6,
+      eval_every=12, checkpoint_every=6, eval_beam_size=2, average_last=2)
+
+
+@pytest.fixture(scope='session')
+def tiny_run(data_slice, tmp_path_factory):
+  """A finished tiny translation run on data_slice: (workdir, results)."""
+  from flaxformer_mini.tasks import translate  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp('translate')
+  results = translate.run(tiny_translation_config(), str(workdir),
+                          data_dir=str(data_slice))
+  return workdir, results
+
+
 @pytest.fixture(scope='session')
 def toy_config():
   return get_config('toy')

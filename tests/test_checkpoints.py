@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -296,39 +295,57 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   checkpoints.close()
 
 
-def test_sigkill_while_writing_leaves_earlier_checkpoints_and_resumes(tmp_path):
+def test_kill_9_again_and_again_while_writing_then_resume_bitwise(tmp_path):
   # Saving a wider model at every step, the process spends much of its time
-  # writing: kill it until one kill lands in the middle of a write.
-  model = ['--d_model=256', '--d_ff=1024', '--keep_checkpoints=50',
-           '--copy_length=4']
-  for attempt in range(6):
-    workdir = tmp_path / str(attempt)
+  # writing. Kill it (SIGKILL) a few times in one workdir, at least once in
+  # the middle of a write; every start resumes from the newest complete
+  # step, and the end is bitwise the uninterrupted run's.
+  model = ['--d_model=256', '--d_ff=1024', '--copy_length=4',
+           '--keep_checkpoints=3', '--dropout_rate=0.1', '--log_every=5']
+  workdir, kills, mid_write = tmp_path / 'killed', 0, 0
+  rng = np.random.default_rng(0)
+  def newest():
+    directory = workdir / 'checkpoints'
+    return max([int(e) for e in os.listdir(directory) if e.isdigit()]
+               if directory.exists() else [], default=0)
+
+  while kills < 3 or not mid_write:
+    assert kills < 10, 'no kill landed during a write'
+    before = newest()
     process = _start_training(workdir, '--checkpoint_every=1', *model)
     deadline = time.time() + 240
-    while len(glob.glob(str(workdir / 'checkpoints' / '[0-9]'))) < 2:
+    while newest() <= before:
       assert time.time() < deadline and process.poll() is None
       time.sleep(0.05)
-    time.sleep(0.1 * attempt)
+    time.sleep(rng.uniform(0.0, 0.6))
     process.kill()
     process.communicate()
-    entries = os.listdir(workdir / 'checkpoints')
-    partial = [e for e in entries if not e.isdigit()]
-    if partial:
-      break
-  assert partial, 'no kill landed during a write'
-  complete = sorted(int(e) for e in entries if e.isdigit())
-  result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'train.py'), '--task=copy',
-       f'--workdir={workdir}', f'--train_steps={complete[-1] + 3}',
-       '--checkpoint_every=1', *model],
-      capture_output=True, text=True, cwd=ROOT, timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert f'resuming from step {complete[-1]} ' in result.stdout
-  results = json.loads((workdir / 'results.json').read_text())
-  assert results['steps'] == complete[-1] + 3
-  leftovers = [e for e in os.listdir(workdir / 'checkpoints')
-               if not e.isdigit()]
-  assert not leftovers, leftovers
+    kills += 1
+    mid_write += any(not e.isdigit()
+                     for e in os.listdir(workdir / 'checkpoints'))
+  with ckpt.Checkpoints(str(workdir / 'checkpoints')) as checkpoints:
+    latest = checkpoints.latest_step()
+  end = latest + 3
+
+  def finish(directory):
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'train.py'), '--task=copy',
+         f'--workdir={directory}', f'--train_steps={end}',
+         '--eval_every=100000', '--checkpoint_every=1', *model],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+  resumed = finish(workdir)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f'resuming from step {latest} ' in resumed.stdout
+  assert not [e for e in os.listdir(workdir / 'checkpoints')
+              if not e.isdigit()]
+  whole = finish(tmp_path / 'whole')
+  assert whole.returncode == 0, whole.stderr[-2000:]
+  cfg = ckpt.read_run_config(str(workdir))
+  ends = [ckpt.load_params(str(directory / 'checkpoints'), cfg)
+          for directory in (workdir, tmp_path / 'whole')]
+  for a, b in zip(*map(_leaves, ends)):
+    np.testing.assert_array_equal(a, b)
 
 
 _WRITE_OR_READ = '''

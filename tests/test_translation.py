@@ -16,7 +16,6 @@ import pytest
 from flaxformer_mini import evaluation, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import batching, parallel_text, tokenizer
-from flaxformer_mini.tasks import translate as translate_task
 from conftest import MULTI30K, multi30k_lines as _lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,18 +140,6 @@ def test_bleu_of_references_against_themselves_is_100():
   shouted = evaluation.bleu([r.upper() for r in references], references)
   assert shouted['bleu_lowercase'] == pytest.approx(100.0)
   assert shouted['bleu'] < 50
-
-
-@pytest.fixture(scope='module')
-def tiny_run(data_slice, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('translate')
-  config = get_config('translate').replace(
-      src_vocab_size=300, tgt_vocab_size=300, d_model=32, d_ff=64,
-      num_heads=4, num_encoder_layers=1, num_decoder_layers=1, max_len=48,
-      tokens_per_batch=1536, warmup_steps=10, train_steps=12, log_every=6,
-      eval_every=12, checkpoint_every=6, eval_beam_size=2, average_last=2)
-  results = translate_task.run(config, str(workdir), data_dir=str(data_slice))
-  return workdir, results
 
 
 def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):

@@ -39,11 +39,16 @@ def open_text(path: str):
 
 
 def _count_lines(path: str) -> int:
-  """Lines of a text file, or a DataError naming the line that cannot be read."""
+  """Lines of a text file, or a DataError naming the line that cannot be read.
+
+  Read as bytes and decoded line by line, so that an error names its line.
+  """
+  opener = gzip.open if path.endswith('.gz') else open
   count = 0
   try:
-    with open_text(path) as f:
-      for _ in f:
+    with opener(path, 'rb') as f:
+      for line in f:
+        line.decode('utf-8')
         count += 1
   except _UNREADABLE as e:
     why = ('is not UTF-8 text' if isinstance(e, UnicodeDecodeError) else

@@ -1,0 +1,431 @@
+"""Misuse: train.py, workdirs, data and the translate command used carelessly.
+
+Each test names the cases of the reliability review it covers (its ids in
+brackets). Command-line cases run in a subprocess, as a user runs them, and
+assert the one line that names the problem, that no traceback is printed,
+and what happens to the files.
+"""
+
+import gzip
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import MULTI30K, ROOT, tiny_translation_config
+from flaxformer_mini import checkpoints, loop
+from flaxformer_mini.config import get_config
+from flaxformer_mini.data import DataError, parallel_text
+from flaxformer_mini.data import tokenizer as spm_lib
+from flaxformer_mini.tasks import copy
+from flaxformer_mini.tasks import translate as translate_task
+from flaxformer_mini.workdir import Workdir, WorkdirError
+
+needs_multi30k = pytest.mark.skipif(
+    not os.path.isdir(MULTI30K), reason=f'Multi30k is not at {MULTI30K}')
+
+
+def _run(*args, env=None, stdin=None, timeout=300):
+  return subprocess.run([sys.executable, *args], capture_output=True,
+                        cwd=ROOT, env={**os.environ, **(env or {})},
+                        input=stdin, timeout=timeout)
+
+
+def _train(*args, **kwargs):
+  return _run(os.path.join(ROOT, 'train.py'), *args, **kwargs)
+
+
+def _translate(*args, **kwargs):
+  return _run('-m', 'flaxformer_mini.translate', *args, **kwargs)
+
+
+def _one_line_error(result, code: int, *expected: str) -> str:
+  """The single line of stderr, checked for the exit code and its words."""
+  err = result.stderr.decode()
+  assert result.returncode == code, err[-3000:]
+  assert 'Traceback' not in err, err[-3000:]
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1, err
+  for text in expected:
+    assert text in lines[0], lines[0]
+  return lines[0]
+
+
+def _toy_copy_run(workdir, **changes) -> dict:
+  config = get_config('toy').replace(train_steps=10, log_every=5,
+                                     checkpoint_every=5, eval_every=100_000,
+                                     **changes)
+  return copy.run(config, str(workdir))
+
+
+@pytest.fixture(scope='module')
+def toy_workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('toy_copy')
+  _toy_copy_run(workdir)
+  return workdir
+
+
+@pytest.mark.parametrize('args, code, expected', [
+    # [f21] multi-host flags alone would train as one process.
+    (['--num_processes=2', '--process_id=1'], 2,
+     ['--num_processes and --process_id without --multihost']),
+    # [f23] a negative seed, named before anything is written.
+    (['--seed=-1'], 2, ['--seed=-1: must be >= 0']),
+    # [f24] a vocabulary with no ordinary tokens for the copy task.
+    (['--src_vocab_size=3', '--tgt_vocab_size=3'], 2,
+     ['--src_vocab_size=3: the copy task needs ordinary tokens']),
+    # [n01] nan and inf pass no check of "positive".
+    (['--lr_factor=nan'], 2, ['--lr_factor=nan: must be a positive finite']),
+    (['--lr_factor=inf'], 2, ['--lr_factor=inf']),
+    # [f25] --multihost where no cluster can be found.
+    (['--multihost'], 1, ['could not join a multi-host run']),
+])
+def test_bad_train_flags_are_one_line_before_anything_runs(tmp_path, args,
+                                                           code, expected):
+  workdir = tmp_path / 'run'
+  _one_line_error(_train('--task=copy', f'--workdir={workdir}', *args), code,
+                  *expected)
+  assert not workdir.exists()  # nothing left behind
+
+
+def test_a_multihost_run_without_its_peers_says_what_it_waits_for():
+  # [f25b] Each process says what it waits for, and gives up instead of
+  # waiting forever without a word.
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  flags = ['--task=copy', f'--coordinator_address=localhost:{port}',
+           '--num_processes=2', '--multihost_timeout=3']
+  start = time.perf_counter()
+  # A process other than the coordinator, with no coordinator: one line.
+  peer = _train(*flags, '--process_id=1')
+  assert 'waiting up to 3 s for all of them' in peer.stdout.decode()
+  _one_line_error(peer, 1, f'no coordinator answered at localhost:{port} '
+                  'within 3 s')
+  # The coordinator alone: JAX ends it once the others are late.
+  coordinator = _train(*flags, '--process_id=0')
+  assert 'joining 2 processes' in coordinator.stdout.decode()
+  assert coordinator.returncode != 0
+  assert 'DEADLINE_EXCEEDED' in coordinator.stderr.decode()
+  assert time.perf_counter() - start < 120
+
+
+def test_a_workdir_that_is_a_file_or_not_writable_is_named(tmp_path,
+                                                          monkeypatch):
+  # [f22] A file where the workdir should be.
+  afile = tmp_path / 'afile'
+  afile.write_text('not a folder')
+  _one_line_error(_train('--task=copy', f'--workdir={afile}'), 1,
+                  'is a file, not a folder')
+  # [o02, o02b] A read-only workdir (root ignores permissions, so the check
+  # itself is asked): refused before the run opens anything.
+  monkeypatch.setattr(os, 'access', lambda path, mode: False)
+  with pytest.raises(WorkdirError, match='is not writable.*translate command '
+                     'and the tour read it where it is'):
+    Workdir(str(tmp_path / 'readonly')).__enter__()
+
+
+def test_a_second_run_on_a_busy_workdir_is_refused_at_once(tmp_path):
+  # [c24, c25] One run owns a workdir; the second is refused in one line
+  # naming the process, and the first run's checkpoints and log are intact.
+  first = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--task=copy',
+       f'--workdir={tmp_path}', '--train_steps=100000', '--eval_every=100000',
+       '--checkpoint_every=20'], cwd=ROOT, stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 240
+    while not (tmp_path / 'checkpoints' / '20').exists():
+      assert time.time() < deadline and first.poll() is None
+      time.sleep(0.2)
+    started = time.perf_counter()
+    second = _train('--task=copy', f'--workdir={tmp_path}',
+                    '--train_steps=100000')
+    line = _one_line_error(second, 1, 'is in use by another run',
+                           f'pid {first.pid}')
+    assert 'another --workdir' in line
+    assert time.perf_counter() - started < 30  # at once, not after a compile
+  finally:
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+  assert first.returncode == 128 + signal.SIGTERM, err[-2000:]
+  steps = [json.loads(line)['step'] for line in
+           (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert steps == sorted(set(steps))  # one run's records, no interleaving
+
+
+def test_fresh_sets_the_whole_earlier_run_aside(tmp_path):
+  # [c23] Nothing of the earlier run is erased or overwritten: checkpoints,
+  # metrics, results, curves and TensorBoard events move to one folder.
+  first = _toy_copy_run(tmp_path)
+  records = (tmp_path / 'metrics.jsonl').read_text()
+  events = sorted(os.listdir(tmp_path / 'tensorboard'))
+  result = _train('--task=copy', '--config=toy', f'--workdir={tmp_path}',
+                  '--fresh', '--train_steps=5', '--log_every=5',
+                  '--eval_every=100000')
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith('set-aside-')]
+  assert f'--fresh: the earlier run is now in {aside}' in result.stdout.decode()
+  assert (aside / 'metrics.jsonl').read_text() == records
+  assert json.loads((aside / 'results.json').read_text()) == json.loads(
+      json.dumps(first))
+  assert (aside / 'curves.png').exists()
+  assert sorted(os.listdir(aside / 'tensorboard')) == events
+  assert sorted(os.listdir(aside / 'checkpoints')) == ['10', '5']
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['5']
+  now = [json.loads(line) for line in
+         (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in now] == [5]
+  assert len(os.listdir(tmp_path / 'tensorboard')) == 1
+
+
+def test_the_tour_reads_the_workdirs_own_config(toy_workdir, tmp_path):
+  # [g01] --tour on a workdir of another config uses the workdir's config.
+  result = _train('--task=copy', '--config=copy', '--tour',
+                  f'--workdir={toy_workdir}')
+  out = result.stdout.decode()
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  assert f'the trained model of {toy_workdir}' in out
+  assert 'encoder/layer_0/self_attention/query' in out and '(2, 2, 3, 4)' in out
+  # [g02] A mistyped workdir is an error, not a tour of random weights.
+  _one_line_error(_train('--task=copy', '--tour',
+                         f'--workdir={tmp_path / "mistyped"}'), 1,
+                  'holds no checkpoints')
+  random = _train('--task=copy', '--config=toy', '--tour')
+  assert 'random weights of the toy preset' in random.stdout.decode()
+
+
+def test_a_signal_during_the_final_evaluation_exits_cleanly(tmp_path,
+                                                           monkeypatch):
+  # [x: SIGTERM after training] The run's last checkpoint is on disk; the
+  # signal ends the final evaluation with the clean message.
+  evaluate = copy.exact_match
+
+  def terminated_during_the_final_draw(params, config, decode_fn, draw,
+                                       parallel):
+    if draw == 0:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(1)  # the handler runs here
+    return evaluate(params, config, decode_fn, draw, parallel)
+
+  monkeypatch.setattr(copy, 'exact_match', terminated_during_the_final_draw)
+  with pytest.raises(loop.Interrupted, match='interrupted by SIGTERM during '
+                     'the final evaluation: checkpoint saved at .*10'):
+    _toy_copy_run(tmp_path)
+  with checkpoints.Checkpoints(str(tmp_path / 'checkpoints')) as saved:
+    assert saved.latest_step() == 10
+
+
+def test_a_damaged_checkpoint_is_one_clean_line(toy_workdir, tmp_path):
+  # [dmg_d12] Only the message: no orbax thread tracebacks after it.
+  import shutil  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'copy'
+  shutil.copytree(toy_workdir, workdir)
+  for path, _, files in os.walk(workdir / 'checkpoints' / '10' / 'params'):
+    for name in files:
+      with open(os.path.join(path, name), 'r+b') as f:
+        f.truncate(os.path.getsize(os.path.join(path, name)) // 2)
+  result = _train('--task=copy', '--config=toy', f'--workdir={workdir}',
+                  '--train_steps=20')
+  _one_line_error(result, 1, 'could not be read', 'to use step 5')
+
+
+# --- Data -------------------------------------------------------------------
+
+
+def _write(path, lines, gz=True, raw=None):
+  data = raw if raw is not None else ('\n'.join(lines) + '\n').encode()
+  if gz:
+    with gzip.open(path, 'wb') as f:
+      f.write(data)
+  else:
+    path.write_bytes(data)
+
+
+def _random_lines() -> bytes:
+  """2,000 lines of random letters: text that gzip cannot shrink much."""
+  rng = np.random.default_rng(0)
+  return b''.join(bytes(rng.integers(97, 123, 60, dtype=np.uint8)) + b'\n'
+                  for _ in range(2000))
+
+
+def _tiny_corpus(directory, train_de=None):
+  directory.mkdir(exist_ok=True)
+  for split in ('train', 'val', 'test'):
+    _write(directory / f'{split}.en.gz', ['a dog runs', 'two cats'])
+    _write(directory / f'{split}.de.gz', ['ein hund', 'zwei katzen'])
+  if train_de is not None:
+    (directory / 'train.de.gz').write_bytes(train_de)
+  return directory
+
+
+@pytest.mark.parametrize('damage, expected', [
+    # [d07] bytes that are not UTF-8, on line 2.
+    (lambda: gzip.compress(b'ein hund\nzwei \xff\xfe katzen\n'),
+     'train.de.gz: line 2 is not UTF-8 text'),
+    # [d08] the gzip cut short (of lines that do not compress away).
+    (lambda: (lambda b: b[:len(b) // 2])(gzip.compress(_random_lines())),
+     'is truncated or corrupt (EOFError'),
+    # [d09] bytes overwritten in the middle of the gzip stream.
+    (lambda: (lambda b: b[:len(b) // 2] + b'\x00' * 200 + b[len(b) // 2 + 200:])(
+        gzip.compress(_random_lines())), 'is truncated or corrupt'),
+])
+def test_damaged_data_files_name_the_file_and_line(tmp_path, damage, expected):
+  corpus = _tiny_corpus(tmp_path / 'data', damage())
+  with pytest.raises(DataError, match=re.escape(expected)):
+    parallel_text.local_split_files(str(corpus), ('de', 'en'))
+  _one_line_error(_train('--task=translate', f'--data_dir={corpus}',
+                         f'--workdir={tmp_path / "run"}'), 1, expected)
+
+
+def test_a_translation_run_on_three_devices_is_not_refused_over_batch_size(
+    tmp_path):
+  # [f19] Translation never uses --batch_size; its batches come from
+  # --tokens_per_batch, so 3 devices only meet the data's own problems.
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  line = _one_line_error(
+      _train('--task=translate', f'--data_dir={empty}',
+             f'--workdir={tmp_path / "run"}',
+             env={'XLA_FLAGS': '--xla_force_host_platform_device_count=3'}),
+      1, 'no train.de')
+  assert 'batch_size' not in line
+
+
+def test_too_many_pieces_for_the_text_is_a_data_error(tmp_path):
+  # [d14] SentencePiece's own refusal, said in the project's words.
+  config = get_config('translate').replace(src_vocab_size=5000,
+                                           tgt_vocab_size=5000)
+  with pytest.raises(DataError, match=r'--src_vocab_size=5000 is more pieces '
+                     r'than SentencePiece can make of this training text \(at '
+                     r'most \d+\)'):
+    spm_lib.train_tokenizer(['ein hund', 'zwei katzen'] * 50,
+                            str(tmp_path / 'spm'), config)
+
+
+def test_a_tiny_token_budget_is_refused_before_the_data_is_read(tmp_path):
+  # [d13]
+  _one_line_error(_train('--task=translate', f'--data_dir={tmp_path}',
+                         '--tokens_per_batch=40', '--max_len=48',
+                         f'--workdir={tmp_path / "run"}'), 2,
+                  '--tokens_per_batch=40: holds no batch')
+
+
+@needs_multi30k
+def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
+                                                             tmp_path):
+  # [d20, d21, d22, d23, d23b] Other data, another vocabulary size or
+  # another language: refused, naming what changed; with --fresh the earlier
+  # run is set aside and everything is prepared again.
+  config = tiny_translation_config()
+  other = tmp_path / 'other'
+  other.mkdir()
+  for name in os.listdir(data_slice):
+    (other / name).write_bytes((data_slice / name).read_bytes())
+  _write(other / 'train.de.gz', ['ein anderer Satz'] * 300 + ['', 'x'])
+  workdir = tmp_path / 'run'
+  with Workdir(str(workdir)) as held:
+    texts, _ = translate_task.prepare(config, held, str(data_slice), None,
+                                      None, fresh=False)
+    first = held.read_json(translate_task.PREPARED_FILE)
+    with pytest.raises(WorkdirError, match="the data's contents"):
+      translate_task.prepare(config, held, str(other), None, None, False)
+    with pytest.raises(WorkdirError, match='vocab_size: 300 -> 400'):
+      translate_task.prepare(config.replace(src_vocab_size=400,
+                                            tgt_vocab_size=400), held,
+                             str(data_slice), None, None, False)
+    again, _ = translate_task.prepare(config, held, str(other), None, None,
+                                      fresh=True)
+  assert again['train'][0][0] == 'ein anderer Satz'  # the new data, not stale
+  assert texts['train'][0][0] != again['train'][0][0]
+  aside = [p for p in workdir.iterdir() if p.name.startswith('set-aside-')]
+  assert len(aside) == 1 and (aside[0] / 'spm.model').exists()
+  assert json.loads((aside[0] / 'prepared.json').read_text()) == first
+
+
+# --- The translate command ---------------------------------------------------
+
+
+@needs_multi30k
+@pytest.mark.parametrize('separator', ['\u2028', '\x0c', '\x85', '\x1d',
+                                       '\u2029', '\x0b'])
+def test_every_input_line_gets_its_own_output_line(tiny_run, tmp_path,
+                                                   separator):
+  # [x06, x06b] Only '\n' ends a line, on stdin and from --input alike.
+  workdir, _ = tiny_run
+  text = (f'Ein Mann{separator}fährt Fahrrad.\nZwei Hunde.\n\nEin Hund '
+          f'{separator} läuft.\n')
+  piped = _translate(f'--workdir={workdir}', '--beam_size=1',
+                     stdin=text.encode())
+  path = tmp_path / 'input.txt'
+  path.write_bytes(text.encode())
+  from_file = _translate(f'--workdir={workdir}', '--beam_size=1',
+                         f'--input={path}')
+  for result in (piped, from_file):
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    outputs = result.stdout.decode().split('\n')[:-1]
+    assert len(outputs) == 4 and outputs[2] == ''
+  assert piped.stdout == from_file.stdout
+
+
+@needs_multi30k
+@pytest.mark.parametrize('flags, expected', [
+    (['--beam_size=0'], '--beam_size: 0: must be at least 1'),
+    (['--beam_size=-1'], '--beam_size: -1: must be at least 1'),
+    (['--batch_size=0'], '--batch_size: 0: must be at least 1'),
+    (['--batch_size=-1'], '--batch_size: -1: must be at least 1'),
+    (['--alpha=nan'], '--alpha: nan: must be a finite number'),
+    (['--input=/no/such/file'], '--input=/no/such/file: no such file'),
+    (['--input=/tmp'], '--input=/tmp: a folder, not a file'),
+])
+def test_bad_translate_flags_are_refused_before_the_model_loads(
+    tiny_run, flags, expected):
+  # [x09, x09b, x12, x13, x13b, x14]
+  workdir, _ = tiny_run
+  _one_line_error(_translate(f'--workdir={workdir}', *flags, stdin=b'x\n'),
+                  2, expected)
+
+
+@needs_multi30k
+def test_input_that_is_not_utf8_names_its_line(tiny_run, tmp_path):
+  # [x08, x08b]
+  workdir, _ = tiny_run
+  data = 'Ein Hund.\nZwei'.encode() + b' \xff\xfe\n'
+  path = tmp_path / 'latin1.txt'
+  path.write_bytes(data)
+  _one_line_error(_translate(f'--workdir={workdir}', f'--input={path}'), 2,
+                  f'--input={path}: line 2 is not UTF-8 text')
+  _one_line_error(_translate(f'--workdir={workdir}', stdin=data), 2,
+                  'stdin: line 2 is not UTF-8 text')
+
+
+@needs_multi30k
+def test_translate_on_a_damaged_or_empty_workdir_says_what_to_do(tiny_run,
+                                                                 tmp_path):
+  # [x10c] spm.model but no checkpoints: one line, and nothing created.
+  workdir, _ = tiny_run
+  bare = tmp_path / 'bare'
+  bare.mkdir()
+  (bare / 'spm.model').write_bytes((workdir / 'spm.model').read_bytes())
+  _one_line_error(_translate(f'--workdir={bare}', stdin=b'x\n'), 2,
+                  'holds no checkpoints')
+  assert sorted(os.listdir(bare)) == ['spm.model']
+  # [x17] A damaged latest checkpoint: how to use the earlier one, and no
+  # advice meant for training (the command has no --fresh).
+  import shutil  # pylint: disable=g-import-not-at-top
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(workdir, damaged)
+  for path, _, files in os.walk(damaged / 'checkpoints' / '12' / 'params'):
+    for name in files:
+      with open(os.path.join(path, name), 'r+b') as f:
+        f.truncate(os.path.getsize(os.path.join(path, name)) // 2)
+  line = _one_line_error(_translate(f'--workdir={damaged}', '--params=latest',
+                                    stdin=b'x\n'), 2, 'to use step 6')
+  assert '--fresh' not in line
