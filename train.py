@@ -22,7 +22,7 @@ from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not
 
 TASKS = ('copy', 'translate')
 # Each task's own preset, where --config is not given.
-TASK_PRESETS = {'copy': 'copy', 'translate': 'translate'}
+TASK_PRESETS = {'copy': 'copy', 'translate': 'multi30k'}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -95,6 +95,9 @@ def build_parser() -> OneLineParser:
   hosts.add_argument('--num_processes', type=int,
                      help='how many processes in all.')
   hosts.add_argument('--process_id', type=int, help="this process's index.")
+  hosts.add_argument('--multihost_timeout', type=int, default=300,
+                     help='seconds to wait for every process (default '
+                     '%(default)s).')
   fields = parser.add_argument_group(
       'config fields', 'override any field of the preset; defaults are the '
       'dataclass defaults, with the presets that differ in parentheses.')
@@ -198,7 +201,8 @@ def main(argv: list[str]) -> None:
       return
     if args.multihost or args.coordinator_address:
       parallel.initialize_multihost(args.coordinator_address,
-                                    args.num_processes, args.process_id)
+                                    args.num_processes, args.process_id,
+                                    args.multihost_timeout)
     path = args.workdir or os.path.join('runs', args.task)
     # Each task imports only what it needs: the copy task runs without TFDS.
     if args.task == 'copy':

@@ -148,3 +148,15 @@ def test_levers_refuses_an_unknown_lever_before_measuring():
   assert done.returncode == 2
   assert 'cpu_kernel: no such lever' in done.stderr
   assert 'cpu_kernels' in done.stderr  # the list of what there is
+
+
+def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
+  workdir, _ = tiny_run
+  result = _benchmark('translate.py', f'--workdir={workdir}',
+                      f'--data_dir={data_slice}', '--beam=2', '--batch_size=8',
+                      '--repeats=1', '--no_baseline')
+  command = result['command']
+  assert command['sentences'] == 30 and command['beam'] == 2
+  assert command['sentences_per_s'] == pytest.approx(30 / command['seconds'])
+  assert 0 <= command['row_steps_after_the_end'] < 1
+  assert result['search']['batch'] == 8

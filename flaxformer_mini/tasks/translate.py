@@ -250,6 +250,12 @@ def run(config: TransformerConfig, workdir_path: str,
         'resumed_from': training.resumed_from,
         'final_loss': history[-1]['loss'] if history else None,
         'evaluations': evaluations,
+        # Wall minutes (from the run's start) of the first evaluation whose
+        # greedy validation BLEU, cased, reached each threshold.
+        'minutes_to_val_bleu': {
+            str(threshold): next((e['wall_minutes'] for e in evaluations
+                                  if e['val_bleu'] >= threshold), None)
+            for threshold in (25, 30, 35, 40)},
         'averaged_steps': averaged_steps,
         'validation': validation,
         'translate_with': chosen,
