@@ -417,6 +417,29 @@ def test_a_time_budget_stops_before_the_window_that_would_pass_it(
   assert int(state.step) == 2 * cfg.log_every
 
 
+@pytest.mark.parametrize('changes, says', [
+    ({'checkpoint_every': 100},
+     'reaches about step 12 at this speed, before the first checkpoint '
+     '(--checkpoint_every=100)'),
+    ({'checkpoint_every': 5, 'average_last': 4, 'keep_checkpoints': 4},
+     'reaches about step 12 at this speed, before 4 checkpoints to average '
+     '(--average_last, every 5 steps)')])
+def test_a_budget_too_short_for_the_saves_says_so_at_the_first_log(
+    monkeypatch, capsys, cfg, changes, says):
+  # One second per step: a 12-second budget.
+  clock = {'now': 0.0}
+  monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
+
+  def batch_at(step):
+    clock['now'] += 1.0
+    return copy_task.train_batch(cfg, step)
+
+  budget = cfg.replace(train_steps=10_000, max_train_minutes=0.2, **changes)
+  loop.train(budget, create_train_state(budget, jax.random.key(0)),
+             jax.random.key(1), batch_at)
+  assert f'--max_train_minutes=0.2 {says}' in capsys.readouterr().out
+
+
 def test_a_time_budget_stops_at_a_log_boundary_with_a_checkpoint(tmp_path, cfg):
   state, _ = _train_in(tmp_path, cfg.replace(train_steps=10_000,
                                              max_train_minutes=1e-6))
