@@ -12,6 +12,7 @@ an empty input line gives an empty output line.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -34,6 +35,19 @@ def tokenizer_path(workdir: str) -> str:
   return os.path.join(workdir, TOKENIZER_NAME)
 
 
+# One jitted search for the process: a later call (the next evaluation, the
+# next input) with the same shapes reuses the compiled program.
+@functools.partial(jax.jit, static_argnames=('config', 'beam_size', 'alpha',
+                                             'max_len'))
+def _best_sequences(params, src, config: TransformerConfig, beam_size: int,
+                    alpha: float, max_len: int):
+  """int32[batch, src_len] -> int32[batch, 1 or n_best, max_len], best first."""
+  if beam_size == 1:
+    return decoding.greedy_decode(params, src, config, max_len)[:, None]
+  return decoding.beam_decode(params, src, config, beam_size, alpha,
+                              max_len).sequences
+
+
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
                   beam_size: int = 4, alpha: float = 0.6,
                   batch_size: int = 64) -> list[list[int]]:
@@ -48,13 +62,6 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   limit = config.max_len - 1  # room for eos
   order = sorted((i for i, ids in enumerate(sources) if len(ids)),
                  key=lambda i: len(sources[i]))
-  if beam_size == 1:
-    search = lambda params, src, max_len: decoding.greedy_decode(
-        params, src, config, max_len)[:, None]
-  else:
-    search = lambda params, src, max_len: decoding.beam_decode(
-        params, src, config, beam_size, alpha, max_len).sequences
-  search = jax.jit(search, static_argnames=('max_len',))
   outputs = [[] for _ in sources]
   for start in range(0, len(order), batch_size):
     members = order[start:start + batch_size]
@@ -64,8 +71,9 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
     for row, i in enumerate(members):
       ids = list(sources[i][:limit]) + [config.eos_id]
       src[row, :len(ids)] = ids
-    best = np.asarray(search(params, src,
-                             max_len=decoding.default_max_len(config, length)))
+    best = np.asarray(_best_sequences(
+        params, src, config, beam_size, alpha,
+        decoding.default_max_len(config, length)))
     for row, i in enumerate(members):
       tokens = best[row, 0].tolist()
       outputs[i] = tokens[:tokens.index(config.eos_id)] if (

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,15 +224,19 @@ def test_a_signal_during_the_final_evaluation_exits_cleanly(tmp_path,
     assert saved.latest_step() == 10
 
 
-def test_a_damaged_checkpoint_is_one_clean_line(toy_workdir, tmp_path):
-  # [dmg_d12] Only the message: no orbax thread tracebacks after it.
-  import shutil  # pylint: disable=g-import-not-at-top
-  workdir = tmp_path / 'copy'
-  shutil.copytree(toy_workdir, workdir)
-  for path, _, files in os.walk(workdir / 'checkpoints' / '10' / 'params'):
+def _copy_with_a_truncated_step(workdir, copy, step):
+  """A copy of `workdir` whose checkpoint `step` has its params files cut in half."""
+  shutil.copytree(workdir, copy)
+  for path, _, files in os.walk(copy / 'checkpoints' / str(step) / 'params'):
     for name in files:
       with open(os.path.join(path, name), 'r+b') as f:
         f.truncate(os.path.getsize(os.path.join(path, name)) // 2)
+  return copy
+
+
+def test_a_damaged_checkpoint_is_one_clean_line(toy_workdir, tmp_path):
+  # [dmg_d12] Only the message: no orbax thread tracebacks after it.
+  workdir = _copy_with_a_truncated_step(toy_workdir, tmp_path / 'copy', 10)
   result = _train('--task=copy', '--config=toy', f'--workdir={workdir}',
                   '--train_steps=20')
   _one_line_error(result, 1, 'could not be read', 'to use step 5')
@@ -419,13 +424,7 @@ def test_translate_on_a_damaged_or_empty_workdir_says_what_to_do(tiny_run,
   assert sorted(os.listdir(bare)) == ['spm.model']
   # [x17] A damaged latest checkpoint: how to use the earlier one, and no
   # advice meant for training (the command has no --fresh).
-  import shutil  # pylint: disable=g-import-not-at-top
-  damaged = tmp_path / 'damaged'
-  shutil.copytree(workdir, damaged)
-  for path, _, files in os.walk(damaged / 'checkpoints' / '12' / 'params'):
-    for name in files:
-      with open(os.path.join(path, name), 'r+b') as f:
-        f.truncate(os.path.getsize(os.path.join(path, name)) // 2)
+  damaged = _copy_with_a_truncated_step(workdir, tmp_path / 'damaged', 12)
   line = _one_line_error(_translate(f'--workdir={damaged}', '--params=latest',
                                     stdin=b'x\n'), 2, 'to use step 6')
   assert '--fresh' not in line
