@@ -7,9 +7,10 @@ With a trained workdir: its model translates the test split's source lines
 (test_2016_flickr: 1,000 lines) as `python -m flaxformer_mini.translate`
 does (translate.translate_ids: sorted by length, batches of --batch_size,
 beam --beam), twice: the first pass compiles, the second is timed. Reports
-sentences/s and generated tokens/s (eos included), and how many of the
-batches' row-steps went to sentences whose search had already ended (what
-sentences that finish early pay for the slowest one in their batch).
+sentences/s and generated tokens/s (eos included), and the share of the
+batches' row-steps that go to sentences already ended. The same again with
+shrink_batches=True (ended sentences leave their batch on the way), against
+the first in this process.
 
 Then the same search against the Flax WMT example's beam_search on the same
 model shape (random weights, eos impossible so both do the same work, the
@@ -42,6 +43,16 @@ def _test_sources(data_dir: str, config, split: str) -> list[str]:
     return [line.strip() for line in f]
 
 
+def _timed_passes(run) -> tuple[float, float, list]:
+  """run() twice: -> (first pass s, second pass s, the second's outputs)."""
+  start = time.perf_counter()
+  run()
+  first_s = time.perf_counter() - start
+  start = time.perf_counter()
+  outputs = run()
+  return first_s, time.perf_counter() - start, outputs
+
+
 def translate_command(workdir: str, data_dir: str, split: str, beam: int,
                       batch_size: int) -> tuple[dict, object]:
   """The trained model on the test split -> (figures, its config)."""
@@ -53,17 +64,15 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
   tokenizer = load_tokenizer(tokenizer_path(workdir))
   sources = [tokenizer.encode(line) for line in
              _test_sources(data_dir, config, split)]
-  run = lambda: translate_ids(params, config, sources, beam, config.eval_alpha,
-                              batch_size)
-  start = time.perf_counter()
-  run()
-  first_s = time.perf_counter() - start
-  start = time.perf_counter()
-  outputs = run()
-  seconds = time.perf_counter() - start
+  run = lambda shrink: lambda: translate_ids(
+      params, config, sources, beam, config.eval_alpha, batch_size,
+      shrink_batches=shrink)
+  first_s, seconds, outputs = _timed_passes(run(False))
+  shrink_first_s, shrink_seconds, shrink_outputs = _timed_passes(run(True))
   generated = sum(len(o) + 1 for o in outputs)  # + eos
-  # Row-steps of the searches against those the sentences needed: the
-  # batches are sorted by source length, as translate_ids makes them.
+  # Row-steps to each batch's longest output against those the sentences
+  # needed (the batches are sorted by source length, as translate_ids makes
+  # them): what one-stage batches spend past each sentence's end.
   order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
   needed = spent = 0
   for start_row in range(0, len(order), batch_size):
@@ -75,7 +84,12 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
           'sentences_per_s': len(sources) / seconds,
           'generated_tokens_per_s': generated / seconds,
           'mean_generated_tokens': generated / len(sources),
-          'row_steps_after_the_end': 1 - needed / spent}, config
+          'row_steps_after_the_end': 1 - needed / spent,
+          'shrinking': {'first_pass_s': shrink_first_s,
+                        'seconds': shrink_seconds,
+                        'sentences_per_s': len(sources) / shrink_seconds,
+                        'same_translations': shrink_outputs == outputs,
+                        'speed_up': seconds / shrink_seconds}}, config
 
 
 def main():

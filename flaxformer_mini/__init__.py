@@ -15,8 +15,12 @@ from flaxformer_mini.checkpoints import Checkpoints, load_params
 from flaxformer_mini.config import ConfigError, TransformerConfig, get_config
 from flaxformer_mini.decoding import (BeamSearchResult, BeamState,
                                       beam_decode, beam_search,
-                                      expand_to_beams, greedy_decode,
-                                      greedy_search, init_cache,
+                                      beam_search_result,
+                                      continue_beam_decode,
+                                      continue_beam_search, expand_to_beams,
+                                      greedy_decode, greedy_search,
+                                      init_cache, start_beam_decode,
+                                      start_beam_search, take_items,
                                       transformer_tokens_to_logits)
 from flaxformer_mini.masks import Batch, make_batch
 from flaxformer_mini.model import Transformer
@@ -27,8 +31,10 @@ from flaxformer_mini.training import (TrainState, create_train_state,
 __all__ = [
     'Batch', 'BeamSearchResult', 'BeamState', 'Checkpoints', 'ConfigError',
     'DataParallel', 'TrainState', 'Transformer', 'TransformerConfig',
-    'beam_decode', 'beam_search', 'create_train_state', 'eval_step',
-    'expand_to_beams', 'get_config', 'greedy_decode', 'greedy_search',
-    'init_cache', 'init_params', 'load_params', 'make_batch', 'train_step',
-    'transformer_tokens_to_logits',
+    'beam_decode', 'beam_search', 'beam_search_result',
+    'continue_beam_decode', 'continue_beam_search', 'create_train_state',
+    'eval_step', 'expand_to_beams', 'get_config', 'greedy_decode',
+    'greedy_search', 'init_cache', 'init_params', 'load_params',
+    'make_batch', 'start_beam_decode', 'start_beam_search', 'take_items',
+    'train_step', 'transformer_tokens_to_logits',
 ]

@@ -188,10 +188,10 @@ PRESETS: dict[str, TransformerConfig] = {
     # heads, one joint 10k vocabulary, 4,096 tokens per batch, beam 5; 2.6M
     # parameters. The paper trains 8,000 steps with dropout 0.3 and a peak
     # learning rate of 0.005 after 2,000 steps; a 2-core CPU makes about
-    # 2,500 steps an hour, and there its regularisation learns too slowly
-    # (greedy validation BLEU 10 after 2,000 steps). Dropout 0.1 and a peak
-    # of 0.0022 after 400 steps reach that in 500 (docs/multi30k.md). The
-    # last 5 checkpoints (500 steps) are averaged at the end.
+    # 2,900 steps in 55 minutes, and there its regularisation learns too
+    # slowly (greedy validation BLEU 10 after 2,000 steps). Dropout 0.1 and
+    # a peak of 0.0022 after 400 steps reach that in 500 (docs/multi30k.md).
+    # The last 5 checkpoints (500 steps) are averaged at the end.
     'multi30k': _BASE.replace(
         src_vocab_size=10000, tgt_vocab_size=10000, num_encoder_layers=4,
         num_decoder_layers=4, d_model=128, d_ff=256, num_heads=4,

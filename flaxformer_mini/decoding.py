@@ -156,7 +156,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   the finished pool too, flagged `reached_eos=False`, with the same scoring.
   An item is done once no live hypothesis can still beat its worst finished
   one (see `_cannot_improve`); the loop stops when every item of the batch is
-  done (or at max_len), so a batch runs as long as its slowest item.
+  done (or at max_len), so a batch runs as long as its slowest item
+  (`continue_beam_search` and `take_items` let a caller drop finished items
+  on the way).
 
   Args:
     tokens_to_logits: (int32[batch * beam, 1] last tokens, cache) ->
@@ -180,6 +182,21 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   """
   if not 1 <= n_best <= beam_size:
     raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
+  state = start_beam_search(cache, batch_size=batch_size, beam_size=beam_size,
+                            max_len=max_len, bos_id=bos_id, pad_id=pad_id)
+  state = continue_beam_search(tokens_to_logits, state, alpha=alpha,
+                               bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                               on_step=on_step)
+  return beam_search_result(state, n_best)
+
+
+def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
+                      bos_id: int, pad_id: int) -> BeamState:
+  """The state before the first step: bos in every sequence, pools empty.
+
+  cache: the decoder state for [batch, ...], expanded over beams here.
+  The state's sequences are int32[batch, beams, max_len + 1].
+  """
   batch, beams = batch_size, beam_size
   # Column 0 holds bos; step i reads column i and writes column i + 1.
   sequences = jnp.full((batch, beams, max_len + 1), pad_id, jnp.int32)
@@ -188,7 +205,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   # token in every beam.
   live_log_probs = jnp.tile(
       jnp.array([0.0] + [-jnp.inf] * (beams - 1), jnp.float32), (batch, 1))
-  state = BeamState(
+  return BeamState(
       step=jnp.asarray(0, jnp.int32),
       live_sequences=sequences,
       live_log_probs=live_log_probs,
@@ -200,8 +217,27 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
       cache=jax.tree.map(
           lambda x: x if x.ndim == 0 else expand_to_beams(x, beams), cache))
 
+
+def continue_beam_search(tokens_to_logits: TokensToLogits, state: BeamState,
+                         *, alpha: float, bos_id: int, eos_id: int,
+                         pad_id: int, stop_at_not_done: int = 0,
+                         on_step: Callable[[BeamState], None] | None = None
+                         ) -> BeamState:
+  """Runs beam search steps from `state` (see `beam_search`).
+
+  Stops at max_len (the sequences' length - 1), or once at most
+  `stop_at_not_done` items are not done (0: every item done). A caller that
+  stops early can keep only the items still searching (`take_items`, with
+  the tokens_to_logits of those items) and continue with fewer rows, so
+  that items that end early stop paying for the slowest one.
+
+  Returns the BeamState after the last step taken.
+  """
+  batch, beams, max_len = state.live_sequences.shape
+  max_len -= 1  # column 0 is bos
+
   def keep_going(state: BeamState):
-    return (state.step < max_len) & ~jnp.all(state.done)
+    return (state.step < max_len) & (jnp.sum(~state.done) > stop_at_not_done)
 
   def one_step(state: BeamState) -> BeamState:
     step = state.step
@@ -270,7 +306,30 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
       jax.debug.callback(on_step, new_state.replace(cache=None), ordered=True)
     return new_state
 
-  state = jax.lax.while_loop(keep_going, one_step, state)
+  return jax.lax.while_loop(keep_going, one_step, state)
+
+
+def take_items(state: BeamState, items) -> BeamState:
+  """The search of batch items `items` (int32[k]) alone: [k, ...] fields.
+
+  Cache leaves [batch * beams, ...] keep those items' beams; scalar leaves
+  (the position counters) are shared, and all items are at the same step.
+  """
+  beams = state.live_sequences.shape[1]
+
+  def take(leaf):
+    if leaf.ndim == 0:
+      return leaf
+    by_item = leaf.reshape((-1, beams) + leaf.shape[1:])
+    return by_item[items].reshape((-1,) + leaf.shape[1:])
+
+  cache = jax.tree.map(take, state.cache)
+  return jax.tree.map(lambda leaf: leaf if leaf.ndim == 0 else leaf[items],
+                      state.replace(cache=None)).replace(cache=cache)
+
+
+def beam_search_result(state: BeamState, n_best: int = 1) -> BeamSearchResult:
+  """The n_best finished hypotheses of each item, best first (see beam_search)."""
   return BeamSearchResult(
       sequences=state.finished_sequences[:, :n_best, 1:],
       scores=state.finished_scores[:, :n_best],
@@ -446,3 +505,32 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
       on_step=on_step)
+
+
+def start_beam_decode(config: TransformerConfig, batch_size: int,
+                      beam_size: int, max_len: int) -> BeamState:
+  """Transformer(config)'s beam search before its first step, for
+  `continue_beam_decode`: sequences int32[batch, beams, max_len + 1]."""
+  check_max_len(config, max_len)
+  return start_beam_search(init_cache(config, batch_size, max_len),
+                           batch_size=batch_size, beam_size=beam_size,
+                           max_len=max_len, bos_id=config.bos_id,
+                           pad_id=config.pad_id)
+
+
+def continue_beam_decode(params, src, state: BeamState,
+                         config: TransformerConfig, alpha: float = 0.6,
+                         stop_at_not_done: int = 0) -> BeamState:
+  """`continue_beam_search` with Transformer(config) on the sources src.
+
+  src: int32[batch, src_len], one row per item of `state` (after
+  `take_items`, the sources of the items kept). The encoder runs on src
+  again here, once per call: one pass, cheap next to the decoder's steps.
+  """
+  beams, max_len = state.live_sequences.shape[1:]
+  tokens_to_logits, _ = _encoded_for_search(params, src, config, max_len - 1,
+                                            beams)
+  return continue_beam_search(
+      tokens_to_logits, state, alpha=alpha, bos_id=config.bos_id,
+      eos_id=config.eos_id, pad_id=config.pad_id,
+      stop_at_not_done=stop_at_not_done)

@@ -12,7 +12,6 @@ an empty input line gives an empty output line.
 """
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -35,29 +34,68 @@ def tokenizer_path(workdir: str) -> str:
   return os.path.join(workdir, TOKENIZER_NAME)
 
 
-# One jitted search for the process: a later call (the next evaluation, the
-# next input) with the same shapes reuses the compiled program.
-@functools.partial(jax.jit, static_argnames=('config', 'beam_size', 'alpha',
-                                             'max_len'))
-def _best_sequences(params, src, config: TransformerConfig, beam_size: int,
-                    alpha: float, max_len: int):
-  """int32[batch, src_len] -> int32[batch, 1 or n_best, max_len], best first."""
-  if beam_size == 1:
-    return decoding.greedy_decode(params, src, config, max_len)[:, None]
-  return decoding.beam_decode(params, src, config, beam_size, alpha,
-                              max_len).sequences
+# One jitted program per shape for the process: a later call (the next
+# evaluation, the next input) with the same shapes reuses the compiled one.
+_greedy = jax.jit(decoding.greedy_decode, static_argnames=('config', 'max_len'))
+_start_beams = jax.jit(decoding.start_beam_decode, static_argnums=(0, 1, 2, 3))
+_continue_beams = jax.jit(decoding.continue_beam_decode,
+                          static_argnames=('config', 'alpha',
+                                           'stop_at_not_done'))
+_take_items = jax.jit(decoding.take_items)
+
+
+def _next_rows(rows: int) -> int:
+  """The rows of the next stage: half, rounded up to a multiple of 8 (0: last)."""
+  return 0 if rows <= 8 else -(-rows // 16) * 8
+
+
+def _shrinking_beam_search(params, src: np.ndarray, config: TransformerConfig,
+                           beam_size: int, alpha: float, max_len: int,
+                           shrink: bool = True) -> np.ndarray:
+  """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
+
+  One beam search in stages: once no more than half of its items are still
+  searching, the finished ones are collected and the rest go on alone in a
+  batch half the size, so sentences that end early stop paying for the
+  slowest one. Each item's result is the one-batch search's (an item's
+  search never looks at another's). shrink=False: one stage.
+  """
+  best = np.zeros((src.shape[0], max_len), np.int32)
+  owner = np.arange(src.shape[0])  # the source row of each state row
+  state = _start_beams(config, src.shape[0], beam_size, max_len)
+  while True:
+    rows = _next_rows(len(owner)) if shrink else 0
+    state = _continue_beams(params, src[owner], state, config, alpha,
+                            stop_at_not_done=rows)
+    finished = np.asarray(state.finished_sequences[:, 0, 1:])
+    ended = np.asarray(state.done) | (int(state.step) >= max_len) | (rows == 0)
+    best[owner[ended]] = finished[ended]
+    searching = np.flatnonzero(~ended)
+    if not len(searching):
+      return best
+    # Filler rows repeat a searching item: the same search, the same result.
+    keep = np.resize(searching, rows)
+    state = _take_items(state, keep)
+    owner = owner[keep]
 
 
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
                   beam_size: int = 4, alpha: float = 0.6,
-                  batch_size: int = 64) -> list[list[int]]:
+                  batch_size: int = 64,
+                  shrink_batches: bool = False) -> list[list[int]]:
   """The best translation of each source (token ids, no eos), in order.
 
   Sources are sorted by length into batches of `batch_size`, so that the
-  sentences of a batch are padded little and end their searches at similar
-  steps; batch shapes are rounded up to multiples of 8 to bound the number
-  of compiled programs. beam_size 1 is greedy search. An empty source gives
-  an empty translation; sources longer than config.max_len - 1 are cut there.
+  sentences of a batch are padded little and tend to end at similar steps.
+  shrink_batches=True lets the sentences whose beam search has ended leave
+  their batch on the way (`_shrinking_beam_search`): the same translations,
+  1.44x faster once compiled on a 2-core CPU, but four programs to compile
+  per batch shape instead of one, which costs more than it saves on a
+  one-off call of 1,000 lines there. Batch shapes are rounded up to
+  multiples of 8 to bound the number of compiled programs. beam_size 1 is
+  greedy search.
+  An empty source gives an empty translation; sources longer than
+  config.max_len - 1 are cut there.
   """
   limit = config.max_len - 1  # room for eos
   order = sorted((i for i, ids in enumerate(sources) if len(ids)),
@@ -67,15 +105,20 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
     members = order[start:start + batch_size]
     longest = min(max(len(sources[i]) for i in members) + 1, config.max_len)
     length = min(-(-longest // 8) * 8, config.max_len)
+    # Rows past the last member repeat the shortest one, and are dropped.
     src = np.full((batch_size, length), config.pad_id, np.int32)
-    for row, i in enumerate(members):
-      ids = list(sources[i][:limit]) + [config.eos_id]
+    for row in range(batch_size):
+      member = members[row] if row < len(members) else members[0]
+      ids = list(sources[member][:limit]) + [config.eos_id]
       src[row, :len(ids)] = ids
-    best = np.asarray(_best_sequences(
-        params, src, config, beam_size, alpha,
-        decoding.default_max_len(config, length)))
+    max_len = decoding.default_max_len(config, length)
+    if beam_size == 1:
+      best = np.asarray(_greedy(params, src, config, max_len))
+    else:
+      best = _shrinking_beam_search(params, src, config, beam_size, alpha,
+                                    max_len, shrink_batches)
     for row, i in enumerate(members):
-      tokens = best[row, 0].tolist()
+      tokens = best[row].tolist()
       outputs[i] = tokens[:tokens.index(config.eos_id)] if (
           config.eos_id in tokens) else [t for t in tokens
                                          if t != config.pad_id]

@@ -155,5 +155,6 @@ def small_copy_config():
 
 @pytest.fixture(scope='session')
 def train_copy_model():
-  """The function cfg -> (state, history, exact_match(params, draw=...))."""
-  return _train_copy_model
+  """The function cfg -> (state, history, exact_match(params, draw=...)),
+  trained once per cfg in a session."""
+  return functools.cache(_train_copy_model)

@@ -165,6 +165,53 @@ def test_markov_chain_best_sequence_depends_on_alpha_as_computed(beam_size):
   assert bool(long.reached_eos[0, 0]) and int(long.lengths[0, 0]) == 2
 
 
+def _countdown_search_pieces():
+  """A model that ends item i after about its own number of steps.
+
+  The cache holds each row's steps left; until they run out eos is unlikely,
+  after that likely, so the items of one batch end at different steps.
+  """
+  pad, bos, eos = range(3)
+  with np.errstate(divide='ignore'):
+    before = jnp.log(jnp.array([0, 0, 0.05, 0.5, 0.3, 0.15], jnp.float32))
+    after = jnp.log(jnp.array([0, 0, 0.9, 0.05, 0.03, 0.02], jnp.float32))
+
+  def tokens_to_logits(tokens, cache):
+    del tokens
+    logits = jnp.where(cache['left'][:, None] > 0, before, after)
+    return logits, {'left': cache['left'] - 1}
+
+  ids = dict(bos_id=bos, eos_id=eos, pad_id=pad)
+  return tokens_to_logits, ids
+
+
+def test_finished_items_can_leave_the_search_without_changing_any_result():
+  tokens_to_logits, ids = _countdown_search_pieces()
+  left = jnp.array([1, 6, 2, 9, 0, 4, 3, 7], jnp.int32)
+  start = lambda: decoding.start_beam_search(
+      {'left': left}, batch_size=8, beam_size=3, max_len=14, bos_id=ids['bos_id'],
+      pad_id=ids['pad_id'])
+  whole = decoding.beam_search_result(decoding.continue_beam_search(
+      tokens_to_logits, start(), alpha=0.6, **ids), n_best=3)
+
+  part = decoding.continue_beam_search(tokens_to_logits, start(), alpha=0.6,
+                                       stop_at_not_done=3, **ids)
+  not_done = np.flatnonzero(~np.asarray(part.done))
+  assert len(not_done) <= 3 and int(part.step) < 14  # stopped on the way
+  done = np.flatnonzero(np.asarray(part.done))
+  early = decoding.beam_search_result(part, n_best=3)
+  rest = decoding.beam_search_result(decoding.continue_beam_search(
+      tokens_to_logits, decoding.take_items(part, jnp.asarray(not_done)),
+      alpha=0.6, **ids), n_best=3)
+  for field in ('sequences', 'scores', 'lengths', 'reached_eos'):
+    np.testing.assert_array_equal(getattr(early, field)[done],
+                                  getattr(whole, field)[done])
+    np.testing.assert_array_equal(getattr(rest, field),
+                                  getattr(whole, field)[not_done])
+  lengths = np.asarray(whole.lengths[:, 0])
+  assert len(set(lengths.tolist())) > 3  # the items did end apart
+
+
 def test_a_copy_model_copies_with_beam_four(small_copy_config,
                                             train_copy_model):
   cfg = small_copy_config
@@ -176,6 +223,30 @@ def test_a_copy_model_copies_with_beam_four(small_copy_config,
                                          state.params, sources)
   assert copy_task.exact_match(np.asarray(result.sequences[:, 0]), sources,
                                cfg) == 1.0
+
+
+def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
+    small_copy_config, train_copy_model, monkeypatch):
+  """translate_ids in batches of 16 (stages of 16 and 8 rows) gives each
+  sentence the translation it gets searched alone."""
+  from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
+  cfg = small_copy_config
+  state, _, _ = train_copy_model(cfg)
+  rng = np.random.default_rng(0)
+  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                          size=n).tolist() for n in rng.integers(1, 7, 40)]
+  taken = []
+  take = translate._take_items  # pylint: disable=protected-access
+  monkeypatch.setattr(translate, '_take_items', lambda state, keep: (
+      taken.append(len(keep)), take(state, keep))[1])
+  together = translate.translate_ids(state.params, cfg, sources, beam_size=2,
+                                     batch_size=16, shrink_batches=True)
+  assert taken and set(taken) == {8}  # some left their batch of 16
+  alone = [translate.translate_ids(state.params, cfg, [ids], beam_size=2,
+                                   batch_size=1)[0] for ids in sources]
+  assert together == alone
+  assert translate.translate_ids(state.params, cfg, sources, beam_size=2,
+                                 batch_size=16) == alone  # one stage
 
 
 def test_jitted_user_code_compiles_once_and_runs_under_vmap(toy_model):

@@ -159,4 +159,8 @@ def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
   assert command['sentences'] == 30 and command['beam'] == 2
   assert command['sentences_per_s'] == pytest.approx(30 / command['seconds'])
   assert 0 <= command['row_steps_after_the_end'] < 1
+  shrinking = command['shrinking']
+  assert shrinking['same_translations']
+  assert shrinking['speed_up'] == pytest.approx(
+      command['seconds'] / shrinking['seconds'])
   assert result['search']['batch'] == 8

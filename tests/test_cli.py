@@ -81,7 +81,10 @@ def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
   assert results['steps'] <= results['config']['train_steps']
   assert results['final_loss'] < 0.1
   assert results['wall_seconds'] > 0
-  assert 'source:' in result.stdout and 'output:' in result.stdout
+  shown = [l.split(': ', 1) for l in result.stdout.splitlines()
+           if l.startswith(('source: ', 'output: '))]
+  assert len(shown) == 8  # four sources, each with its copy and no eos
+  assert all(src == out for (_, src), (_, out) in zip(shown[::2], shown[1::2]))
   workdir = path.parent
   records = [json.loads(l) for l in (workdir / 'metrics.jsonl').open()]
   assert {r['kind'] for r in records} == {'train', 'eval'}

@@ -21,7 +21,7 @@ from conftest import MULTI30K, multi30k_lines as _lines
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_multi30k = pytest.mark.skipif(
     not os.path.isdir(MULTI30K),
-    reason=f'Multi30k is not at {MULTI30K} (see the README: Real data)')
+    reason=f'Multi30k is not at {MULTI30K} (see the README: Training)')
 
 
 @needs_multi30k
