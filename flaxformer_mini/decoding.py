@@ -467,6 +467,15 @@ def greedy_decode(params, src, config: TransformerConfig, max_len: int):
                        config.bos_id, config.eos_id, config.pad_id)
 
 
+def tokens_before_eos(row, eos_id: int, pad_id: int) -> list[int]:
+  """A decoded row (int32[max_len]) -> its tokens before eos, as a list
+  (without eos: the row less its pad)."""
+  tokens = list(map(int, row))
+  if eos_id in tokens:
+    return tokens[:tokens.index(eos_id)]
+  return [t for t in tokens if t != pad_id]
+
+
 def default_max_len(config: TransformerConfig, src_len: int) -> int:
   """The paper's limit, input length + 50, within the positional table."""
   return min(src_len + 50, config.max_len)

@@ -134,10 +134,10 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
     }
     if jax.process_index() == 0:  # one writer in a multi-host run
       for source, output in list(zip(sources, decoded))[:4]:
-        output = list(output)  # the tokens, then eos: shown up to it
-        ended = output.index(config.eos_id) if config.eos_id in output else None
+        shown = decoding.tokens_before_eos(output, config.eos_id,
+                                           config.pad_id)
         print(f'source: {" ".join(map(str, source))}\n'
-              f'output: {" ".join(map(str, output[:ended]))}')
+              f'output: {" ".join(map(str, shown))}')
       path = workdir.write_json('results.json', results)
       print(f'exact match {match:.4f} after {results["steps"]} steps on '
             f'{results["devices"]} device(s), {results["wall_seconds"]:.1f} '
