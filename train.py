@@ -18,6 +18,7 @@ import typing
 
 _START = time.perf_counter()
 
+from flaxformer_mini import compilation_cache  # pylint: disable=g-import-not-at-top
 from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not-at-top
 
 TASKS = ('copy', 'translate')
@@ -69,13 +70,9 @@ def build_parser() -> OneLineParser:
   data.add_argument('--dataset', help='TFDS name, e.g. wmt14_translate/de-en.')
   data.add_argument('--tfds_dir', help="TFDS data dir (default: "
                     "WORKDIR/tfds for local files, TFDS's own otherwise).")
-  parser.add_argument(
-      '--compilation_cache', default=os.environ.get(
-          'JAX_COMPILATION_CACHE_DIR', os.path.join(
-              os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla')),
-      help='persistent XLA compilation cache: a rerun loads the compiled '
-      'programs instead of compiling them again ("" turns it off; default '
-      '%(default)s).')
+  parser.add_argument('--compilation_cache',
+                      default=compilation_cache.DEFAULT_DIR,
+                      help=compilation_cache.HELP)
   parser.add_argument('--tour', action='store_true',
                       help='print every named tensor of one forward pass on '
                       'a batch of 2 (shapes and axes) and exit, without '
@@ -188,11 +185,8 @@ def _tour(args, config) -> None:
 
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
+  compilation_cache.use(args.compilation_cache)
   # pylint: disable=g-import-not-at-top
-  import jax
-  if args.compilation_cache:
-    jax.config.update('jax_compilation_cache_dir', args.compilation_cache)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   from flaxformer_mini import checkpoints, loop, parallel, workdir
   from flaxformer_mini.data import DataError
   try:

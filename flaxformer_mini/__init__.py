@@ -8,7 +8,8 @@ Figure 1, box by box:
 and around it: config, masks (the Batch), losses, schedules, training (the
 pure steps), parallel, loop (the training loop), checkpoints, workdir,
 decoding, evaluation, data/, tasks/ (copy, translate), translate (the
-command), tour, plots, logbook; cpu_kernels is the opt-in CPU seam.
+command), tour, plots, logbook, compilation_cache; cpu_kernels is the opt-in
+CPU seam.
 """
 
 from flaxformer_mini.checkpoints import Checkpoints, load_params

@@ -227,7 +227,7 @@ def test_a_copy_model_copies_with_beam_four(small_copy_config,
 
 def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
     small_copy_config, train_copy_model, monkeypatch):
-  """translate_ids in batches of 16 (stages of 16 and 8 rows) gives each
+  """translate_ids in batches of 32 (stages of 32 and 8 rows) gives each
   sentence the translation it gets searched alone."""
   from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
   cfg = small_copy_config
@@ -240,13 +240,31 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
   monkeypatch.setattr(translate, '_take_items', lambda state, keep: (
       taken.append(len(keep)), take(state, keep))[1])
   together = translate.translate_ids(state.params, cfg, sources, beam_size=2,
-                                     batch_size=16, shrink_batches=True)
-  assert taken and set(taken) == {8}  # some left their batch of 16
+                                     batch_size=32)
+  assert taken and set(taken) == {8}  # some left their batch of 32
   alone = [translate.translate_ids(state.params, cfg, [ids], beam_size=2,
                                    batch_size=1)[0] for ids in sources]
   assert together == alone
   assert translate.translate_ids(state.params, cfg, sources, beam_size=2,
-                                 batch_size=16) == alone  # one stage
+                                 batch_size=32, shrink_batches=False) == alone
+
+
+def test_the_translate_command_compiles_once_whatever_the_params_placement(
+    small_copy_config, train_copy_model):
+  """Host parameters (averaging makes them) reuse the programs compiled for
+  the training state's device copy, instead of compiling their own."""
+  from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
+  cfg = small_copy_config
+  state, _, _ = train_copy_model(cfg)
+  sources = [[cfg.first_ordinary_id + i for i in range(n)] for n in (3, 5)]
+  on_device = translate.translate_ids(state.params, cfg, sources, beam_size=2,
+                                      batch_size=8)
+  search = translate._continue_beams  # pylint: disable=protected-access
+  compiled = search._cache_size()  # pylint: disable=protected-access
+  on_host = translate.translate_ids(jax.tree.map(np.asarray, state.params),
+                                    cfg, sources, beam_size=2, batch_size=8)
+  assert on_host == on_device
+  assert search._cache_size() == compiled  # pylint: disable=protected-access
 
 
 def test_jitted_user_code_compiles_once_and_runs_under_vmap(toy_model):

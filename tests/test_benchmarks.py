@@ -158,9 +158,9 @@ def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
   command = result['command']
   assert command['sentences'] == 30 and command['beam'] == 2
   assert command['sentences_per_s'] == pytest.approx(30 / command['seconds'])
-  assert 0 <= command['row_steps_after_the_end'] < 1
-  shrinking = command['shrinking']
-  assert shrinking['same_translations']
-  assert shrinking['speed_up'] == pytest.approx(
-      command['seconds'] / shrinking['seconds'])
+  one_stage = command['one_stage']
+  assert 0 <= one_stage['row_steps_after_the_end'] < 1
+  assert one_stage['same_translations']
+  assert command['speed_up_over_one_stage'] == pytest.approx(
+      one_stage['seconds'] / command['seconds'])
   assert result['search']['batch'] == 8

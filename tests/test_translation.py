@@ -176,16 +176,19 @@ def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):
     assert (workdir / picture).read_bytes()[:4] == b'\x89PNG'
 
 
-def test_translate_command_answers_every_line(tiny_run, data_slice):
+def test_translate_command_answers_every_line(tiny_run, tmp_path):
+  """... and keeps its compiled programs in --compilation_cache."""
   workdir, _ = tiny_run
   lines = ['Ein Mann fährt Fahrrad.', '', 'Zwei Hunde spielen im Schnee.',
            '', ' '.join(['Hund'] * 80)]
+  cache = tmp_path / 'xla'
   result = subprocess.run(
       [sys.executable, '-m', 'flaxformer_mini.translate',
-       f'--workdir={workdir}', '--beam_size=2'],
+       f'--workdir={workdir}', '--beam_size=2', f'--compilation_cache={cache}'],
       input='\n'.join(lines) + '\n', capture_output=True, text=True,
       cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
+  assert any(cache.iterdir())
   outputs = result.stdout.split('\n')[:-1]
   assert len(outputs) == len(lines)
   assert outputs[1] == '' and outputs[3] == ''
