@@ -95,10 +95,10 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   Sources are sorted by length into batches of `batch_size`, so that the
   sentences of a batch are padded little and tend to end at similar steps.
   With shrink_batches the sentences whose beam search has ended leave their
-  batch on the way (`_beam_search_in_stages`): the same translations as
-  one stage (shrink_batches=False), 1.4x faster on the Multi30k test set
-  once compiled, for a second program per batch shape. Source lengths are rounded up to
-  multiples of 16 to bound the number of shapes, hence of programs to
+  batch on the way (`_beam_search_in_stages`): the same translations as one
+  stage (shrink_batches=False), 1.4x faster on the Multi30k test set once
+  compiled, for a second program per batch shape. Source lengths are rounded
+  up to multiples of 16 to bound the number of shapes, hence of programs to
   compile (padding costs the search little: its step is the output layer's
   product). beam_size 1 is greedy search.
   An empty source gives an empty translation; sources longer than
