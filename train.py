@@ -70,9 +70,7 @@ def build_parser() -> OneLineParser:
   data.add_argument('--dataset', help='TFDS name, e.g. wmt14_translate/de-en.')
   data.add_argument('--tfds_dir', help="TFDS data dir (default: "
                     "WORKDIR/tfds for local files, TFDS's own otherwise).")
-  parser.add_argument('--compilation_cache',
-                      default=compilation_cache.DEFAULT_DIR,
-                      help=compilation_cache.HELP)
+  compilation_cache.add_flag(parser)
   parser.add_argument('--tour', action='store_true',
                       help='print every named tensor of one forward pass on '
                       'a batch of 2 (shapes and axes) and exit, without '

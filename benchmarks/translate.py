@@ -20,6 +20,7 @@ multi30k preset's shape.
 """
 
 import argparse
+import functools
 import os
 import time
 
@@ -64,11 +65,11 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
   tokenizer = load_tokenizer(tokenizer_path(workdir))
   sources = [tokenizer.encode(line) for line in
              _test_sources(data_dir, config, split)]
-  run = lambda shrink: lambda: translate_ids(
-      params, config, sources, beam, config.eval_alpha, batch_size,
-      shrink_batches=shrink)
-  first_s, seconds, outputs = _timed_passes(run(True))
-  one_first_s, one_seconds, one_outputs = _timed_passes(run(False))
+  run = functools.partial(translate_ids, params, config, sources, beam,
+                          config.eval_alpha, batch_size)
+  first_s, seconds, outputs = _timed_passes(run)
+  one_first_s, one_seconds, one_outputs = _timed_passes(
+      functools.partial(run, shrink_batches=False))
   generated = sum(len(o) + 1 for o in outputs)  # + eos
   # Row-steps to each batch's longest output against those the sentences
   # needed (the batches are sorted by source length, as translate_ids makes

@@ -7,11 +7,17 @@ again, which takes seconds per program on a CPU host.
 
 import os
 
-DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
+_DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla'))
-HELP = ('persistent XLA compilation cache: a rerun loads the compiled '
-        'programs instead of compiling them again ("" turns it off; default '
-        '%(default)s).')
+
+
+def add_flag(parser) -> None:
+  """--compilation_cache on an argparse parser (the folder, or '' for none)."""
+  parser.add_argument(
+      '--compilation_cache', default=_DEFAULT_DIR,
+      help='persistent XLA compilation cache: a rerun loads the compiled '
+      'programs instead of compiling them again ("" turns it off; default '
+      '%(default)s).')
 
 
 def use(directory: str) -> None:

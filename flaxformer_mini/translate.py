@@ -210,9 +210,7 @@ def main(argv: list[str]) -> None:
                       help='length-penalty exponent.')
   parser.add_argument('--batch_size', type=_positive_int, default=64,
                       help='sentences per search.')
-  parser.add_argument('--compilation_cache',
-                      default=compilation_cache.DEFAULT_DIR,
-                      help=compilation_cache.HELP)
+  compilation_cache.add_flag(parser)
   args = parser.parse_args(argv)
   if args.input is not None and not os.path.isfile(args.input):
     parser.error(f'--input={args.input}: '
