@@ -206,8 +206,9 @@ def main(argv: list[str]) -> None:
                       default='best', help="the run's choice (default), its "
                       'latest checkpoint, or its averaged parameters.')
   parser.add_argument('--beam_size', type=_positive_int, default=4)
-  parser.add_argument('--alpha', type=_finite_float, default=0.6,
-                      help='length-penalty exponent.')
+  parser.add_argument('--alpha', type=_finite_float,
+                      help="length-penalty exponent (default: the run's "
+                      'eval_alpha, the one its scores were decoded with).')
   parser.add_argument('--batch_size', type=_positive_int, default=64,
                       help='sentences per search.')
   compilation_cache.add_flag(parser)
@@ -241,7 +242,8 @@ def main(argv: list[str]) -> None:
       f'{config.max_len - 1} (the model\'s max_len)', file=sys.stderr)
   translations = translate_lines(
       params, config, load_tokenizer(tokenizer_path(args.workdir)), lines,
-      args.beam_size, args.alpha, args.batch_size, warn)
+      args.beam_size, config.eval_alpha if args.alpha is None else args.alpha,
+      args.batch_size, warn)
   sys.stdout.write(''.join(line + '\n' for line in translations))
 
 

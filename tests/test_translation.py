@@ -161,8 +161,10 @@ def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):
   assert {'val_bleu', 'val_bleu_lowercase'} <= set(evaluation_)
   assert results['history'][-1]['loss'] < results['history'][0]['loss']
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['12', '6']
-  # The last two checkpoints averaged; both scored on validation; the
-  # better one scored on test and kept for the translate command.
+  # Asked for three, the two checkpoints there are averaged; both the last
+  # and the averaged parameters scored on validation; the better one scored
+  # on test and kept for the translate command.
+  assert results['config']['average_last'] == 3
   assert results['averaged_steps'] == [6, 12]
   validation = results['validation']
   assert set(validation) == {'latest', 'averaged'}
@@ -193,6 +195,22 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
   assert len(outputs) == len(lines)
   assert outputs[1] == '' and outputs[3] == ''
   assert 'line 5 has' in result.stderr  # the overlong line is reported
+
+
+def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
+                                                          monkeypatch):
+  """Without --alpha the command searches as the run's scores were decoded."""
+  from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
+  workdir, results = tiny_run
+  source = tmp_path / 'source.txt'
+  source.write_text('Ein Hund.\n', encoding='utf-8')
+  alphas = []
+  monkeypatch.setattr(translate, 'translate_lines',
+                      lambda *args: alphas.append(args[5]) or [''])
+  for flags in ([], ['--alpha=0.3']):
+    translate.main([f'--workdir={workdir}', f'--input={source}',
+                    '--compilation_cache=', *flags])
+  assert alphas == [results['config']['eval_alpha'], 0.3] == [0.8, 0.3]
 
 
 def test_train_py_names_bad_translation_input(tmp_path):

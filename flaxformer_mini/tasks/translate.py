@@ -220,12 +220,21 @@ def run(config: TransformerConfig, workdir_path: str,
     averaged_steps = []
     if config.average_last > 1:
       with Checkpoints(workdir.path_of('checkpoints')) as checkpoints:
-        candidates['averaged'], averaged_steps = average_params(
-            checkpoints, config.average_last, state.params)
-      if jax.process_index() == 0:
-        with Checkpoints(workdir.path_of(AVERAGED_DIR), keep=1) as averaged:
-          averaged.save_params(int(state.step), candidates['averaged'], config,
-                               {'averaged_steps': averaged_steps})
+        # A run its time budget ended early averages the checkpoints it
+        # saved (its first log said so) rather than lose its final scores.
+        last = min(config.average_last, len(checkpoints.steps()))
+        if last < config.average_last:
+          tqdm.tqdm.write(
+              f'--average_last={config.average_last}: the run saved {last} '
+              'checkpoint(s); ' + (f'averaging those {last}.' if last > 1 else
+                                   'scoring the last parameters only.'))
+        if last > 1:
+          candidates['averaged'], averaged_steps = average_params(
+              checkpoints, last, state.params)
+    if averaged_steps and jax.process_index() == 0:
+      with Checkpoints(workdir.path_of(AVERAGED_DIR), keep=1) as averaged:
+        averaged.save_params(int(state.step), candidates['averaged'], config,
+                             {'averaged_steps': averaged_steps})
     validation = {name: bleu_on(params, 'validation', config.eval_beam_size)
                   for name, params in candidates.items()}
     chosen = max(validation, key=lambda name: validation[name]['bleu'])
