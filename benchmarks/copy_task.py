@@ -1,6 +1,7 @@
 """Wall time of the copy task, from process start to exact match 1.0.
 
-  python benchmarks/copy_task.py [--runs 1] [--seed 0]
+  python benchmarks/copy_task.py [--runs 1] [--seed 0] [--extra_draws 0]
+                                 [-- TRAIN.PY FLAGS]
 
 Runs `python train.py --task=copy` (the README's first command, fresh, in a
 temporary workdir) as a child process and reports `wall_s`, the child's whole
@@ -9,9 +10,16 @@ until exact match 1.0 on fresh sequences, the final evaluation and the
 checkpoint), next to what the run itself recorded. The persistent compilation
 cache is off, so every program is compiled (benchmarks/levers.py measures
 what a warm cache saves).
+
+`--extra_draws K` then measures how reliably the stopping rule stops: the
+run's final parameters copy K more draws of 1,024 fresh sequences, draws
+train_steps + 1 on, which neither its evaluations (draw = step) nor its final
+score (draw 0) use, and `miscopied` counts the sequences they get wrong. Flags
+after `--` go to train.py (`-- --copy_length=5`).
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -19,17 +27,39 @@ import sys
 import tempfile
 import time
 
+import jax
+
+from flaxformer_mini import checkpoints, decoding
+from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.tasks import copy
+
 import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_once(seed: int) -> dict:
+def miscopied(workdir: str, draws: int) -> int:
+  """Sequences the run's final parameters miscopy in `draws` unseen draws."""
+  config = checkpoints.read_run_config(workdir)
+  params = checkpoints.load_params(
+      os.path.join(workdir, checkpoints.CHECKPOINTS_DIR), config)
+  decode_fn = jax.jit(functools.partial(
+      decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
+  parallel = DataParallel(config, config.parallel)
+  wrong = 0
+  for draw in range(config.train_steps + 1, config.train_steps + 1 + draws):
+    match, _, _ = copy.exact_match(params, config, decode_fn, draw, parallel)
+    wrong += round((1 - match) * copy.EVAL_SEQUENCES)
+  return wrong
+
+
+def run_once(seed: int, extra_draws: int, train_flags: list[str]) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     child = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
                             '--task=copy', f'--workdir={workdir}',
-                            f'--seed={seed}', '--compilation_cache='],
+                            f'--seed={seed}', '--compilation_cache=',
+                            *train_flags],
                            capture_output=True, text=True, cwd=ROOT)
     wall_s = time.perf_counter() - start
     if child.returncode:
@@ -37,20 +67,34 @@ def run_once(seed: int) -> dict:
                f'{child.stderr[-4000:]}')
     with open(os.path.join(workdir, 'results.json')) as f:
       results = json.load(f)
-  return {'seed': seed, 'wall_s': wall_s,
-          'run_wall_seconds': results['wall_seconds'],
-          'steps': results['steps'], 'exact_match': results['exact_match']}
+    run = {'seed': seed, 'wall_s': wall_s,
+           'run_wall_seconds': results['wall_seconds'],
+           'steps': results['steps'], 'exact_match': results['exact_match']}
+    if extra_draws:
+      run['miscopied'] = miscopied(workdir, extra_draws)
+      run['extra_sequences'] = extra_draws * copy.EVAL_SEQUENCES
+  return run
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--runs', type=int, default=1)
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--extra_draws', type=int, default=0)
+  parser.add_argument('train_flags', nargs='*',
+                      help='flags for train.py, after --')
   args = parser.parse_args()
-  runs = [run_once(args.seed + i) for i in range(args.runs)]
-  common.emit({'benchmark': 'copy_task', 'runs': runs,
-               'median_wall_s': sorted(r['wall_s'] for r in runs)[
-                   len(runs) // 2]})
+  runs = [run_once(args.seed + i, args.extra_draws, args.train_flags)
+          for i in range(args.runs)]
+  summary = {'benchmark': 'copy_task', 'runs': runs,
+             'median_wall_s': sorted(r['wall_s'] for r in runs)[
+                 len(runs) // 2],
+             'final_exact_match_below_1': sum(r['exact_match'] < 1.0
+                                              for r in runs)}
+  if args.extra_draws:
+    summary['miscopied'] = sum(r['miscopied'] for r in runs)
+    summary['extra_sequences'] = sum(r['extra_sequences'] for r in runs)
+  common.emit(summary)
 
 
 if __name__ == '__main__':

@@ -120,8 +120,10 @@ def test_benchmarks_run_on_small_shapes_and_make_tables(tmp_path):
                  '--gen_len=3', '--beam', '1', '4', '--repeats=1',
                  '--no_baseline'),
       _benchmark('levers.py', '--only', 'closed_form_loss', '--repeats=1'),
+      _benchmark('copy_task.py', '--runs=2', '--extra_draws=2', '--',
+                 '--copy_length=3', '--train_steps=100'),
   ]
-  peak, step, decode, levers = results
+  peak, step, decode, levers, copy = results
   assert peak['peak_gflops']['float32'] > 0
   assert step['step_s'] > 0 and step['compile_s'] > 0 and step['cpu_kernels']
   assert step['tokens_per_s'] == pytest.approx(2 * 2 * 32 / step['step_s'])
@@ -132,6 +134,14 @@ def test_benchmarks_run_on_small_shapes_and_make_tables(tmp_path):
     assert run['generated_tokens_per_s'] == pytest.approx(
         3 * run['sentences_per_s'])
   assert list(levers['levers']) == ['closed_form_loss']
+  assert [run['seed'] for run in copy['runs']] == [0, 1]
+  for run in copy['runs']:
+    # Half-trained, so both draws miscopy: the further draws of the same
+    # parameters must count about the final draw's error rate.
+    assert run['steps'] == 100 and run['extra_sequences'] == 2048
+    assert run['miscopied'] / 2048 == pytest.approx(1 - run['exact_match'],
+                                                    abs=0.1)
+  assert copy['miscopied'] == sum(run['miscopied'] for run in copy['runs'])
 
   raw = tmp_path / 'results.json'
   raw.write_text(json.dumps(results))
@@ -139,6 +149,7 @@ def test_benchmarks_run_on_small_shapes_and_make_tables(tmp_path):
   assert '| train step | small | full, 2 sentences, --cpu_kernels |' in tables
   assert '| decode | small | beam 4 |' in tables
   assert '| closed_form_loss |' in tables
+  assert '(median of 2 seeds), exact match 100% in ' in tables
 
 
 def test_levers_refuses_an_unknown_lever_before_measuring():
