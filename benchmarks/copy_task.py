@@ -19,7 +19,6 @@ after `--` go to train.py (`-- --copy_length=5`).
 """
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -27,9 +26,7 @@ import sys
 import tempfile
 import time
 
-import jax
-
-from flaxformer_mini import checkpoints, decoding
+from flaxformer_mini import checkpoints
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.tasks import copy
 
@@ -43,8 +40,7 @@ def miscopied(workdir: str, draws: int) -> int:
   config = checkpoints.read_run_config(workdir)
   params = checkpoints.load_params(
       os.path.join(workdir, checkpoints.CHECKPOINTS_DIR), config)
-  decode_fn = jax.jit(functools.partial(
-      decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
+  decode_fn = copy.greedy_copier(config)
   parallel = DataParallel(config, config.parallel)
   wrong = 0
   for draw in range(config.train_steps + 1, config.train_steps + 1 + draws):

@@ -118,7 +118,7 @@ def _copy_task_line(r: dict) -> str:
   if len(runs) == 1:
     return (f"{line}{runs[0]['wall_s']:.1f} s, exact match "
             f"{runs[0]['exact_match']:.0%} after {runs[0]['steps']} steps.")
-  perfect = sum(run['exact_match'] == 1.0 for run in runs)
+  perfect = len(runs) - r['final_exact_match_below_1']
   steps = sorted(run['steps'] for run in runs)
   line += (f"{r['median_wall_s']:.1f} s (median of {len(runs)} seeds), exact "
            f"match 100% in {perfect} of {len(runs)} after {steps[0]:,}–"

@@ -27,7 +27,7 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 
 import numpy as np
 
-from flaxformer_mini import decoding, loop
+from flaxformer_mini import loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.parallel import DataParallel
@@ -139,8 +139,7 @@ def _train_copy_model(cfg):
   decoded)).
   """
   init_rng, dropout_rng = jax.random.split(jax.random.key(cfg.seed))
-  decode_fn = jax.jit(functools.partial(
-      decoding.greedy_decode, config=cfg, max_len=cfg.copy_length + 1))
+  decode_fn = copy.greedy_copier(cfg)
   draws = iter(range(1, 1000))
   parallel = DataParallel(cfg)
   state, history = loop.train(

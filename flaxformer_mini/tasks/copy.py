@@ -51,6 +51,13 @@ def check_config(config: TransformerConfig) -> None:
   check_divisible(config.batch_size)
 
 
+def greedy_copier(config: TransformerConfig):
+  """The jitted greedy search of the copy task: (params, src int32[batch,
+  copy_length]) -> int32[batch, copy_length + 1], the copy and its eos."""
+  return jax.jit(functools.partial(
+      decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
+
+
 def exact_match(params, config: TransformerConfig, decode_fn, draw: int,
                 parallel: DataParallel) -> tuple[float, np.ndarray, np.ndarray]:
   """Greedy-decodes EVAL_SEQUENCES fresh sequences of draw `draw`.
@@ -92,8 +99,7 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
       print(f'--fresh: the earlier run is now in {moved}')
     parallel = DataParallel(config, config.parallel)
     training = TrainingRun.open(config, workdir, parallel)
-    decode_fn = jax.jit(functools.partial(
-        decoding.greedy_decode, config=config, max_len=config.copy_length + 1))
+    decode_fn = greedy_copier(config)
     streak = _perfect_streak(workdir) if training.resumed_from else 0
 
     def evaluate(state: TrainState) -> tuple[float, bool]:
