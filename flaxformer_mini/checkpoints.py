@@ -33,12 +33,13 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.training import TrainState, init_params
 
-# Fields that may change between a run and its resumption: how long and how
-# often to log, evaluate and save, and how the step is mapped over devices.
+# Fields that may change between a run and its resumption: how long (and so
+# where the learning rate cools down) and how often to log, evaluate and
+# save, and how the step is mapped over devices.
 RESUMABLE_FIELDS = frozenset({
-    'train_steps', 'max_train_minutes', 'log_every', 'eval_every',
-    'checkpoint_every', 'keep_checkpoints', 'parallel', 'cpu_kernels',
-    'average_last'})
+    'train_steps', 'cooldown_steps', 'max_train_minutes', 'log_every',
+    'eval_every', 'checkpoint_every', 'keep_checkpoints', 'parallel',
+    'cpu_kernels', 'average_last'})
 CHECKPOINTS_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
 

@@ -70,6 +70,9 @@ class TransformerConfig:
   label_smoothing: float = 0.1
   lr_factor: float = 1.0
   warmup_steps: int = 4000
+  # The last cooldown_steps of train_steps take the rate linearly down to 0
+  # (0 = the paper's schedule to the end).
+  cooldown_steps: int = 0
 
   # The training run.
   batch_size: int = 64
@@ -104,8 +107,10 @@ class TransformerConfig:
                 'tokens_per_batch', 'eval_beam_size')
     for name in positive:
       _check(getattr(self, name) > 0, name, self, 'must be a positive integer')
-    for name in ('checkpoint_every', 'seed', 'average_last'):
+    for name in ('checkpoint_every', 'seed', 'average_last', 'cooldown_steps'):
       _check(getattr(self, name) >= 0, name, self, 'must be >= 0')
+    _check(self.cooldown_steps <= self.train_steps, 'cooldown_steps', self,
+           f'must not exceed train_steps={self.train_steps}')
     _check(math.isfinite(self.max_train_minutes) and
            self.max_train_minutes >= 0, 'max_train_minutes', self,
            'must be >= 0 (0 = no limit)')

@@ -240,23 +240,28 @@ def train(config: TransformerConfig, state: TrainState, rng,
 
 def _warn_if_the_budget_is_short(config: TransformerConfig, steps: int,
                                  seconds: float) -> None:
-  """Says at the first log when --max_train_minutes ends before the saves."""
+  """Says at the first log when --max_train_minutes ends the run too early:
+  before its saves, or before its learning rate cools down."""
   if not config.max_train_minutes or not steps:
     return
   reach = int(steps / seconds * config.max_train_minutes * 60)
   if reach >= config.train_steps:
     return  # the steps end the run first
   every = config.checkpoint_every
-  short = []
   if every and reach < every:
-    short.append(f'the first checkpoint (--checkpoint_every={every}); the '
-                 'run saves only when it stops')
+    before = (f'the first checkpoint (--checkpoint_every={every}); the run '
+              'saves only when it stops')
   elif every and config.average_last > 1 and reach < every * config.average_last:
-    short.append(f'{config.average_last} checkpoints to average '
-                 f'(--average_last, every {every} steps)')
-  if short:
-    tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes} reaches '
-                    f'about step {reach} at this speed, before ' + short[0])
+    before = (f'{config.average_last} checkpoints to average '
+              f'(--average_last, every {every} steps)')
+  elif config.cooldown_steps:
+    before = ('the learning rate has cooled down to 0 (--cooldown_steps='
+              f'{config.cooldown_steps} ends at --train_steps='
+              f'{config.train_steps}); lower --train_steps to fit')
+  else:
+    return
+  tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes} reaches '
+                  f'about step {reach} at this speed, before {before}')
 
 
 def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,

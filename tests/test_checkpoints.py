@@ -79,8 +79,10 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path,
   with pytest.raises(ckpt.CheckpointError,
                      match=r'd_ff: 64 -> 128.*--fresh'):
     _train_in(tmp_path, cfg.replace(train_steps=20, d_ff=128))
-  # train_steps, log_every, ... may change: that is how a run is extended.
-  _train_in(tmp_path, cfg.replace(train_steps=20, log_every=10))
+  # train_steps, cooldown_steps, log_every, ... may change: that is how a
+  # run is extended, or given a cool-down at its new end.
+  _train_in(tmp_path, cfg.replace(train_steps=20, log_every=10,
+                                  cooldown_steps=5))
 
 
 def test_fields_added_later_count_as_their_default_on_resumption(cfg):
@@ -444,7 +446,11 @@ def test_a_time_budget_stops_before_the_window_that_would_pass_it(
      '(--checkpoint_every=100)'),
     ({'checkpoint_every': 5, 'average_last': 4, 'keep_checkpoints': 4},
      'reaches about step 12 at this speed, before 4 checkpoints to average '
-     '(--average_last, every 5 steps)')])
+     '(--average_last, every 5 steps)'),
+    ({'checkpoint_every': 5, 'cooldown_steps': 2000},
+     'reaches about step 12 at this speed, before the learning rate has '
+     'cooled down to 0 (--cooldown_steps=2000 ends at --train_steps=10000); '
+     'lower --train_steps to fit')])
 def test_a_budget_too_short_for_the_saves_says_so_at_the_first_log(
     monkeypatch, capsys, cfg, changes, says):
   # One second per step: a 12-second budget.

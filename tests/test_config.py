@@ -40,6 +40,9 @@ def test_config_is_frozen():
      'bfloat16'),
     ({'tgt_vocab_size': 12}, r'^share_embeddings=True: needs one shared'),
     ({'average_last': -1}, r'^average_last=-1'),
+    ({'cooldown_steps': -1}, r'^cooldown_steps=-1: must be >= 0'),
+    ({'cooldown_steps': 3001}, r'^cooldown_steps=3001: must not exceed '
+     'train_steps=3000'),
 ])
 def test_bad_values_name_the_field(changes, message):
   with pytest.raises(config_lib.ConfigError, match=message):

@@ -85,6 +85,9 @@ def toy_workdir(tmp_path_factory):
     # [n01] nan and inf pass no check of "positive".
     (['--lr_factor=nan'], 2, ['--lr_factor=nan: must be a positive finite']),
     (['--lr_factor=inf'], 2, ['--lr_factor=inf']),
+    # A cooldown longer than the run.
+    (['--train_steps=100', '--cooldown_steps=200'], 2,
+     ['--cooldown_steps=200: must not exceed train_steps=100']),
     # [f25] --multihost where no cluster can be found.
     (['--multihost'], 1, ['could not join a multi-host run']),
 ])

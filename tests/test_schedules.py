@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_mini.config import get_config
-from flaxformer_mini.schedules import make_optimizer, noam_schedule
+from flaxformer_mini.schedules import (learning_rate_schedule, make_optimizer,
+                                       noam_schedule)
 
 
 def _closed_form(step, d_model, warmup, factor):
@@ -45,3 +46,26 @@ def test_optimizer_is_adam_with_the_papers_betas_and_schedule():
     np.testing.assert_allclose(update['w'],
                                -lr * m_hat / (np.sqrt(v_hat) + 1e-9),
                                rtol=1e-5)
+
+
+def test_cooldown_takes_the_rate_linearly_to_zero_over_the_last_steps():
+  cfg = get_config('toy').replace(train_steps=1000, warmup_steps=100,
+                                  cooldown_steps=200)
+  noam = noam_schedule(cfg.d_model, cfg.warmup_steps, cfg.lr_factor)
+  schedule = learning_rate_schedule(cfg)
+  for count in (0, 99, 500, 799):  # before the cooldown: the paper's rate
+    np.testing.assert_allclose(schedule(count), noam(count), rtol=1e-6)
+  for count in (800, 900, 950, 999):
+    np.testing.assert_allclose(schedule(count),
+                               noam(count) * (1000 - count) / 200, rtol=1e-5)
+  assert float(schedule(999)) > 0 and float(schedule(1000)) == 0
+  rates = np.asarray(jax.vmap(schedule)(jnp.arange(800, 1000)))
+  assert np.all(np.diff(rates) < 0)
+
+
+def test_no_cooldown_is_the_papers_schedule():
+  cfg = get_config('toy').replace(train_steps=1000, warmup_steps=100)
+  noam = noam_schedule(cfg.d_model, cfg.warmup_steps, cfg.lr_factor)
+  counts = jnp.arange(1000)
+  np.testing.assert_array_equal(jax.vmap(learning_rate_schedule(cfg))(counts),
+                                jax.vmap(noam)(counts))
