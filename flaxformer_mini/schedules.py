@@ -40,11 +40,9 @@ def with_cooldown(schedule: optax.Schedule, train_steps: int,
   """
   if not cooldown_steps:
     return schedule
-
-  def cooled(count):
-    remaining = train_steps - jnp.asarray(count, jnp.float32)
-    return schedule(count) * jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
-  return cooled
+  ramp = optax.linear_schedule(1.0, 0.0, transition_steps=cooldown_steps,
+                               transition_begin=train_steps - cooldown_steps)
+  return lambda count: schedule(count) * ramp(count)
 
 
 def learning_rate_schedule(config: TransformerConfig) -> optax.Schedule:
