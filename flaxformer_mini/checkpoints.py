@@ -14,10 +14,13 @@ Averaged parameters (WORKDIR/averaged) are the same kind of directory with
 only `params` and `meta`.
 
 orbax writes each step into a temporary directory and renames it when it is
-complete, so a process killed mid-write leaves the earlier steps readable;
-leftover temporary directories are removed when the next run opens the
-directory. Saving is asynchronous: the arrays are copied off the device, then
-written in the background while training goes on.
+complete, so a process killed mid-write leaves the earlier steps readable.
+Only a run that writes (and holds its workdir's lock) opens the directory with
+`writer=True`, which also removes the temporary directories a killed run left
+behind; everything that only reads (the translate command, the tour,
+averaging) opens it read-only, so it never touches a save in flight in
+another process. Saving is asynchronous: the arrays are copied off the
+device, then written in the background while training goes on.
 """
 
 import dataclasses
@@ -44,14 +47,17 @@ CHECKPOINTS_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
 
 
-class _NoTrackedMetricWarning(logging.Filter):
-  """orbax warns at every save without an evaluation score; most have none."""
+class _QuietOrbax(logging.Filter):
+  """orbax warns at every save without an evaluation score (most have none)
+  and whenever a directory is opened read-only (as every reader here does)."""
 
   def filter(self, record):
-    return 'tracked_metric' not in record.getMessage()
+    message = record.getMessage()
+    return ('tracked_metric' not in message and
+            'directory is read only' not in message)
 
 
-_QUIET = _NoTrackedMetricWarning()
+_QUIET = _QuietOrbax()
 
 
 class CheckpointError(RuntimeError):
@@ -112,14 +118,18 @@ def _replicated():
 
 
 class Checkpoints:
-  """The checkpoints of one run: keeps the last `keep` and the best one.
+  """The checkpoints of one run, opened read-only unless `writer`.
 
-  `save` is asynchronous; `wait` blocks until every save is on disk. Use it
-  as a context manager (or call `close`), so that orbax's threads end.
+  A writer keeps the last `keep` steps and the best evaluated one, and
+  removes the temporary directories of saves that never finished: only the
+  run that holds the workdir may open it so. A reader changes nothing on
+  disk. `save` is asynchronous; `wait` blocks until every save is on disk.
+  Use it as a context manager (or call `close`), so that orbax's threads end.
   """
 
-  def __init__(self, directory: str, keep: int = 3):
+  def __init__(self, directory: str, keep: int = 3, writer: bool = False):
     self.directory = os.path.abspath(directory)
+    self.writer = writer
     policy = preservation_policy.AnyPreservationPolicy([
         preservation_policy.LatestN(keep),
         preservation_policy.BestN(
@@ -133,7 +143,10 @@ class Checkpoints:
                        'opt_state': ocp.StandardCheckpointHandler(),
                        'meta': ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
-            preservation_policy=policy, cleanup_tmp_directories=True,
+            preservation_policy=policy, read_only=not writer,
+            cleanup_tmp_directories=writer, create=writer,
+            # A reader saves nothing (0 also keeps orbax from saying so).
+            save_interval_steps=1 if writer else 0,
             # best_fn also makes orbax write the metrics to disk, so the best
             # checkpoint is still known after a restart.
             best_fn=lambda metrics: metrics['score'], best_mode='max',
@@ -164,6 +177,7 @@ class Checkpoints:
   def save(self, step: int, state: TrainState, rng, config: TransformerConfig,
            score: float | None = None) -> None:
     """Starts saving `state` as `step` (with an evaluation score, if any)."""
+    self._check_writer()
     meta = {'step': step, 'config': dataclasses.asdict(config),
             'rng': np.asarray(jax.random.key_data(rng)).tolist(),
             'data_position': {'step': step},
@@ -180,6 +194,7 @@ class Checkpoints:
   def save_params(self, step: int, params, config: TransformerConfig,
                   note: dict) -> None:
     """Saves parameters alone (e.g. averaged ones) as `step`, with `note`."""
+    self._check_writer()
     meta = {'step': step, 'config': dataclasses.asdict(config),
             'checksums': {'params': checksums(params)}, **note}
     if step in self.manager.all_steps():  # e.g. averaged again after a rerun
@@ -187,6 +202,11 @@ class Checkpoints:
     self.manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
                       force=True)
+
+  def _check_writer(self) -> None:
+    if not self.writer:  # orbax would skip the save without a word
+      raise ValueError(f'{self.directory} is open read-only; open it with '
+                       'writer=True to save.')
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

@@ -308,7 +308,7 @@ class TrainingRun:
            parallel: DataParallel) -> 'TrainingRun':
     """Resumes WORKDIR/checkpoints if they hold a run, else starts one."""
     checkpoints = Checkpoints(workdir.path_of('checkpoints'),
-                              config.keep_checkpoints)
+                              config.keep_checkpoints, writer=True)
     try:
       state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
     except BaseException:

@@ -5,6 +5,7 @@ subprocesses it starts): many tests compile the same steps, and loading a
 compiled program is far cheaper than compiling it again on a 2-core machine.
 """
 
+import dataclasses
 import functools
 import gzip
 import os
@@ -85,6 +86,16 @@ def tiny_translation_config():
       tokens_per_batch=1536, warmup_steps=10, train_steps=12, log_every=6,
       eval_every=12, checkpoint_every=6, eval_beam_size=2, average_last=3,
       eval_alpha=0.8)
+
+
+def tiny_translation_flags(**changes) -> list[str]:
+  """train.py's flags for tiny_translation_config().replace(**changes)."""
+  config = tiny_translation_config().replace(**changes)
+  preset = get_config('translate')
+  return ['--task=translate', '--config=translate'] + [
+      f'--{field.name}={getattr(config, field.name)}'
+      for field in dataclasses.fields(config)
+      if getattr(config, field.name) != getattr(preset, field.name)]
 
 
 @pytest.fixture(scope='session')

@@ -38,7 +38,7 @@ def _train_in(workdir, cfg):
   """loop.train as the copy task runs it, without the final evaluation."""
   parallel = DataParallel(cfg)
   with ckpt.Checkpoints(os.path.join(workdir, 'checkpoints'),
-                        cfg.keep_checkpoints) as checkpoints:
+                        cfg.keep_checkpoints, writer=True) as checkpoints:
     state, rng, resumed = loop.resume_or_start(cfg, checkpoints, parallel)
     state, _ = loop.train(
         cfg, state, rng, functools.partial(copy_task.train_batch, cfg),
@@ -63,7 +63,7 @@ def test_a_resumed_run_is_the_uninterrupted_run_bitwise(tmp_path, cfg):
 
 
 def test_keeps_the_last_k_and_the_best(tmp_path, cfg):
-  checkpoints = ckpt.Checkpoints(str(tmp_path), keep=2)
+  checkpoints = ckpt.Checkpoints(str(tmp_path), keep=2, writer=True)
   state = create_train_state(cfg, jax.random.key(0))
   for step, score in [(1, 0.5), (2, 0.9), (3, 0.1), (4, None), (5, 0.2)]:
     checkpoints.save(step, state, jax.random.key(1), cfg, score)
@@ -131,7 +131,8 @@ def test_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(
   parallel = DataParallel(cfg)
   poisoned = good.replace(params=jax.tree.map(
       lambda x: x.at[(0,) * x.ndim].set(jnp.nan), good.params))
-  with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
+  with ckpt.Checkpoints(str(tmp_path / 'checkpoints'),
+                        writer=True) as checkpoints:
     with pytest.raises(loop.NonFinite) as error:
       loop.train(cfg.replace(train_steps=30), poisoned, jax.random.key(0),
                  functools.partial(copy_task.train_batch, cfg),
@@ -166,7 +167,8 @@ class _DivergingUpdates:
 def test_a_state_that_becomes_non_finite_is_never_saved(tmp_path, cfg):
   cfg = cfg.replace(train_steps=3, checkpoint_every=1)
   parallel = _DivergingUpdates(DataParallel(cfg))
-  with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
+  with ckpt.Checkpoints(str(tmp_path / 'checkpoints'),
+                        writer=True) as checkpoints:
     with pytest.raises(loop.NonFinite, match='parameters or optimizer state '
                        'became non-finite at step 1.*no checkpoint was '
                        'written'):
@@ -232,7 +234,8 @@ def test_arrays_that_read_well_but_changed_on_disk_are_refused(tmp_path, cfg):
 
 
 def test_averaging(tmp_path, cfg):
-  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'), keep=5)
+  checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'), keep=5,
+                                 writer=True)
   state = create_train_state(cfg, jax.random.key(0))
   like = state.params
   shifted = jax.tree.map(lambda x: x + 2.0, state.params)
@@ -265,7 +268,8 @@ def test_averaged_params_save_and_load_for_inference(tmp_path, cfg):
   with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
     mean, steps = ckpt.average_params(checkpoints, 3, state.params)
   assert steps == [10, 20, 30]
-  with ckpt.Checkpoints(str(tmp_path / ckpt.AVERAGED_DIR), keep=1) as out:
+  with ckpt.Checkpoints(str(tmp_path / ckpt.AVERAGED_DIR), keep=1,
+                        writer=True) as out:
     out.save_params(30, mean, cfg, {'averaged_steps': steps})
     out.wait()
     out.save_params(30, mean, cfg, {'averaged_steps': steps})  # replaced
@@ -383,7 +387,7 @@ _WRITE_OR_READ = '''
     cfg = get_config('copy').replace(copy_length=5)
     parallel = DataParallel(cfg)
     state = create_train_state(cfg, jax.random.key(0))
-    checkpoints = ckpt.Checkpoints(directory)
+    checkpoints = ckpt.Checkpoints(directory, writer=action == 'write')
     if action == 'write':
       state = state.replace(step=7, params=jax.tree.map(lambda x: x + 0.5,
                                                         state.params))

@@ -17,16 +17,19 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
-from conftest import MULTI30K, ROOT, tiny_translation_config
+from conftest import (MULTI30K, ROOT, tiny_translation_config,
+                      tiny_translation_flags)
 from flaxformer_mini import checkpoints, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import DataError, parallel_text
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.tasks import copy
 from flaxformer_mini.tasks import translate as translate_task
+from flaxformer_mini.training import init_params
 from flaxformer_mini.workdir import Workdir, WorkdirError
 
 needs_multi30k = pytest.mark.skipif(
@@ -243,6 +246,112 @@ def test_a_damaged_checkpoint_is_one_clean_line(toy_workdir, tmp_path):
   result = _train('--task=copy', '--config=toy', f'--workdir={workdir}',
                   '--train_steps=20')
   _one_line_error(result, 1, 'could not be read', 'to use step 5')
+
+
+# --- Reading a run never harms it --------------------------------------------
+
+
+def _snapshot(directory) -> dict:
+  """{relative path: (size, mtime)} of every file and folder under directory."""
+  found = {}
+  for path, folders, files in os.walk(directory):
+    for name in folders + files:
+      full = os.path.join(path, name)
+      stat = os.stat(full)
+      found[os.path.relpath(full, directory)] = (
+          stat.st_size if name in files else None, stat.st_mtime_ns)
+  return found
+
+
+@needs_multi30k
+def test_reading_a_run_leaves_a_save_in_flight_alone(tiny_run, tmp_path):
+  # [translate_spares_a_live_save] The workdir is held, as by a training run
+  # whose save of step 13 is on its way: orbax's temporary folder, complete
+  # but for its metadata. The translate command and both tours read the run
+  # and change nothing in it, that folder least of all.
+  workdir = tmp_path / 'live'
+  shutil.copytree(tiny_run[0], workdir)
+  in_flight = workdir / 'checkpoints' / '13.orbax-checkpoint-tmp'
+  shutil.copytree(workdir / 'checkpoints' / '12', in_flight)
+  (in_flight / '_CHECKPOINT_METADATA').unlink()
+  with Workdir(str(workdir)):
+    before = _snapshot(workdir)
+    translated = _translate(f'--workdir={workdir}', '--beam_size=1',
+                            stdin=b'Ein Hund.\nZwei Katzen.\n')
+    tours = [_run('-m', 'flaxformer_mini.tour', f'--workdir={workdir}'),
+             _train('--task=translate', '--tour', f'--workdir={workdir}')]
+    assert _snapshot(workdir) == before
+  assert translated.returncode == 0, translated.stderr.decode()[-2000:]
+  assert translated.stderr == b''
+  assert len(translated.stdout.decode().split('\n')) == 3  # 2 lines + end
+  for tour in tours:
+    assert tour.returncode == 0, tour.stderr.decode()[-2000:]
+    assert 'encoder/layer_0/self_attention/query' in tour.stdout.decode()
+
+
+@pytest.mark.slow
+@needs_multi30k
+def test_translating_while_training_saves_every_step_harms_neither(
+    tiny_run, data_slice, tmp_path):
+  # [translate_during_training] The translate command, again and again, on a
+  # run that saves a checkpoint at every step: the run ends bitwise equal to
+  # the same run undisturbed, every step it saved reads back, and every
+  # translation is whole.
+  end = 12 + 150
+  flags = [f'--data_dir={data_slice}', *tiny_translation_flags(
+      train_steps=end, checkpoint_every=1, log_every=1, eval_every=100_000,
+      keep_checkpoints=1000, average_last=0)]
+  runs = {}
+  for name in ('disturbed', 'undisturbed'):
+    runs[name] = tmp_path / name
+    shutil.copytree(tiny_run[0], runs[name])
+  calm = _train(*flags, f'--workdir={runs["undisturbed"]}', timeout=600)
+  assert calm.returncode == 0, calm.stderr.decode()[-3000:]
+
+  workdir = runs['disturbed']
+  saved = lambda: [int(e) for e in os.listdir(workdir / 'checkpoints')
+                   if e.isdigit()]
+  training = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), *flags,
+       f'--workdir={workdir}'], cwd=ROOT, stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE)
+  lines = b'Ein Hund.\nZwei Katzen spielen.\n\nEin Mann.\n'
+  during, translations = 0, []
+  try:
+    deadline = time.time() + 300
+    while max(saved()) <= 12:  # the run's own saves have begun
+      assert time.time() < deadline and training.poll() is None
+      time.sleep(0.05)
+    while training.poll() is None:
+      translations.append(_translate(f'--workdir={workdir}', '--beam_size=2',
+                                     '--params=latest', stdin=lines))
+      during += training.poll() is None
+  finally:
+    if training.poll() is None:
+      training.kill()
+    _, err = training.communicate(timeout=600)
+  assert training.returncode == 0, err.decode()[-3000:]
+  assert during >= 2, 'no translation ran while the run was saving'
+  for result in translations:
+    assert result.returncode == 0 and result.stderr == b'', (
+        result.stderr.decode()[-2000:])
+    assert len(result.stdout.decode().split('\n')) == 5  # 4 lines + end
+  results = {name: json.loads((path / 'results.json').read_text())
+             for name, path in runs.items()}
+  assert results['disturbed']['steps'] == end
+  assert ([r['loss'] for r in results['disturbed']['history']] ==
+          [r['loss'] for r in results['undisturbed']['history']])
+  config = tiny_translation_config()
+  with checkpoints.Checkpoints(str(workdir / 'checkpoints')) as disturbed:
+    assert disturbed.steps() == [6, *range(12, end + 1)]
+    like = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    for step in disturbed.steps():
+      disturbed.restore_params(step, like)  # every saved step reads back
+    last = disturbed.restore_params(end, like)
+  calm_last = checkpoints.load_params(
+      str(runs['undisturbed'] / 'checkpoints'), config)
+  for a, b in zip(jax.tree.leaves(last), jax.tree.leaves(calm_last)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --- Data -------------------------------------------------------------------

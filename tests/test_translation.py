@@ -254,7 +254,7 @@ def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
   def run(directory, steps):
     cfg = config.replace(train_steps=steps)
     parallel = DataParallel(cfg)
-    with ckpt.Checkpoints(str(directory)) as checkpoints:
+    with ckpt.Checkpoints(str(directory), writer=True) as checkpoints:
       state, rng, _ = loop.resume_or_start(cfg, checkpoints, parallel)
       state, _ = loop.train(cfg, state, rng, batches.batch_at,
                             parallel=parallel, checkpoints=checkpoints)

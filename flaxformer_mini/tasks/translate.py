@@ -232,7 +232,8 @@ def run(config: TransformerConfig, workdir_path: str,
           candidates['averaged'], averaged_steps = average_params(
               checkpoints, last, state.params)
     if averaged_steps and jax.process_index() == 0:
-      with Checkpoints(workdir.path_of(AVERAGED_DIR), keep=1) as averaged:
+      with Checkpoints(workdir.path_of(AVERAGED_DIR), keep=1,
+                       writer=True) as averaged:
         averaged.save_params(int(state.step), candidates['averaged'], config,
                              {'averaged_steps': averaged_steps})
     validation = {name: bleu_on(params, 'validation', config.eval_beam_size)
