@@ -168,11 +168,10 @@ def parse(argv: list[str]):
 def _tour(args, config) -> None:
   """--tour: the workdir's trained model with its own config, or the preset."""
   # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import checkpoints, tour
+  from flaxformer_mini import tour, workdir
   if args.workdir:
-    config = checkpoints.read_run_config(args.workdir)
-    params = checkpoints.load_params(
-        os.path.join(args.workdir, checkpoints.CHECKPOINTS_DIR), config)
+    run = workdir.load_run(args.workdir)
+    config, params = run.config, run.params
     print(f'the trained model of {args.workdir}')
   else:
     params = None

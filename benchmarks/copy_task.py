@@ -19,14 +19,13 @@ after `--` go to train.py (`-- --copy_length=5`).
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 
-from flaxformer_mini import checkpoints
+from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.tasks import copy
 
@@ -37,9 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def miscopied(workdir: str, draws: int) -> int:
   """Sequences the run's final parameters miscopy in `draws` unseen draws."""
-  config = checkpoints.read_run_config(workdir)
-  params = checkpoints.load_params(
-      os.path.join(workdir, checkpoints.CHECKPOINTS_DIR), config)
+  run = workdir_lib.load_run(workdir)
+  config, params = run.config, run.params
   decode_fn = copy.greedy_copier(config)
   parallel = DataParallel(config, config.parallel)
   wrong = 0
@@ -61,8 +59,8 @@ def run_once(seed: int, extra_draws: int, train_flags: list[str]) -> dict:
     if child.returncode:
       sys.exit(f'train.py --task=copy failed (exit {child.returncode}):\n'
                f'{child.stderr[-4000:]}')
-    with open(os.path.join(workdir, 'results.json')) as f:
-      results = json.load(f)
+    results = workdir_lib.read_json(os.path.join(workdir,
+                                                 workdir_lib.RESULTS))
     run = {'seed': seed, 'wall_s': wall_s,
            'run_wall_seconds': results['wall_seconds'],
            'steps': results['steps'], 'exact_match': results['exact_match']}

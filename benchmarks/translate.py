@@ -24,11 +24,11 @@ import functools
 import os
 import time
 
-from flaxformer_mini import checkpoints, decoding
+from flaxformer_mini import decoding
+from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import parallel_text
-from flaxformer_mini.data.tokenizer import load_tokenizer
-from flaxformer_mini.translate import chosen_params, tokenizer_path, translate_ids
+from flaxformer_mini.translate import translate_ids
 
 import common
 import decode as decode_bench
@@ -57,13 +57,9 @@ def _timed_passes(run) -> tuple[float, float, list]:
 def translate_command(workdir: str, data_dir: str, split: str, beam: int,
                       batch_size: int) -> tuple[dict, object]:
   """The trained model on the test split -> (figures, its config)."""
-  config = checkpoints.read_run_config(workdir)
-  which = chosen_params(workdir)
-  params = checkpoints.load_params(os.path.join(
-      workdir, checkpoints.AVERAGED_DIR if which == 'averaged' else
-      checkpoints.CHECKPOINTS_DIR), config)
-  tokenizer = load_tokenizer(tokenizer_path(workdir))
-  sources = [tokenizer.encode(line) for line in
+  run = workdir_lib.load_run(workdir)
+  config, params = run.config, run.params
+  sources = [run.tokenizer.encode(line) for line in
              _test_sources(data_dir, config, split)]
   run = functools.partial(translate_ids, params, config, sources, beam,
                           config.eval_alpha, batch_size)
@@ -81,7 +77,7 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
     needed += sum(lengths)
     spent += max(lengths) * len(lengths)
   return {'sentences': len(sources), 'beam': beam, 'batch_size': batch_size,
-          'params': which, 'first_pass_s': first_s, 'seconds': seconds,
+          'params': run.which, 'first_pass_s': first_s, 'seconds': seconds,
           'sentences_per_s': len(sources) / seconds,
           'generated_tokens_per_s': generated / seconds,
           'mean_generated_tokens': generated / len(sources),

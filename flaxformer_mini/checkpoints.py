@@ -43,8 +43,6 @@ RESUMABLE_FIELDS = frozenset({
     'train_steps', 'cooldown_steps', 'max_train_minutes', 'log_every',
     'eval_every', 'checkpoint_every', 'keep_checkpoints', 'parallel',
     'cpu_kernels', 'average_last'})
-CHECKPOINTS_DIR = 'checkpoints'
-AVERAGED_DIR = 'averaged'
 
 
 class _QuietOrbax(logging.Filter):
@@ -298,23 +296,17 @@ class Checkpoints:
     self.manager.close()
 
 
-def read_run_config(workdir: str) -> TransformerConfig:
-  """The config a workdir's run was trained with, from its latest checkpoint.
-
-  Raises:
-    CheckpointError: the workdir holds no readable checkpoint.
-  """
-  directory = os.path.join(workdir, CHECKPOINTS_DIR)
-  if not os.path.isdir(directory):
-    raise CheckpointError(f'--workdir={workdir} holds no checkpoints: train '
-                          'there with train.py first.')
-  with Checkpoints(directory) as checkpoints:
-    step = checkpoints.latest_step()
-    if step is None:
-      raise CheckpointError(f'{directory} holds no complete checkpoint.')
-    saved = checkpoints.read_meta(step)['config']
+def saved_config(meta: dict) -> TransformerConfig:
+  """The config saved in a checkpoint's meta (fields it lacks: their defaults;
+  fields since removed: dropped)."""
   known = {f.name for f in dataclasses.fields(TransformerConfig)}
-  return TransformerConfig(**{k: v for k, v in saved.items() if k in known})
+  return TransformerConfig(**{k: v for k, v in meta['config'].items()
+                              if k in known})
+
+
+def params_shape(config: TransformerConfig):
+  """The parameters of Transformer(config) as shapes and dtypes, no arrays."""
+  return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
 def average_params(checkpoints: Checkpoints, last: int, like_params):
@@ -339,18 +331,18 @@ def average_params(checkpoints: Checkpoints, last: int, like_params):
   return mean, steps
 
 
-def load_params(directory: str, config: TransformerConfig, step: int | None = None,
-                sharding=None):
-  """Parameters for inference from a run's checkpoints or averaged directory.
+def load_params(directory: str, config: TransformerConfig,
+                step: int | None = None, sharding=None):
+  """Parameters for inference from a directory of checkpoints.
 
-  directory: WORKDIR/checkpoints or WORKDIR/averaged; its latest step unless
-  `step` is given. No optimizer state is read. Raises CheckpointError.
+  directory: e.g. WORKDIR/checkpoints or WORKDIR/averaged; its latest step
+  unless `step` is given. No optimizer state is read, and nothing is
+  written. Raises CheckpointError. (`workdir.load_run` loads a whole run.)
   """
   if not os.path.isdir(directory):
     raise CheckpointError(f'no checkpoint at {directory}.')
-  like = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
   with Checkpoints(directory) as checkpoints:
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'{directory} holds no complete checkpoint.')
-    return checkpoints.restore_params(step, like, sharding)
+    return checkpoints.restore_params(step, params_shape(config), sharding)

@@ -15,8 +15,7 @@ import os
 
 from tensorboardX import SummaryWriter
 
-RECORDS_FILE = 'metrics.jsonl'
-TENSORBOARD_DIR = 'tensorboard'
+from flaxformer_mini.workdir import METRICS, TENSORBOARD
 
 
 class Logbook:
@@ -24,12 +23,12 @@ class Logbook:
 
   def __init__(self, workdir: str, start_step: int = 0):
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, RECORDS_FILE)
+    path = os.path.join(workdir, METRICS)
     kept = [json.dumps(r) + '\n' for r in _load(path) if r['step'] <= start_step]
     with open(path, 'w') as f:
       f.writelines(kept)
     self._records = open(path, 'a')
-    self._tensorboard = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+    self._tensorboard = SummaryWriter(os.path.join(workdir, TENSORBOARD))
 
   def write(self, kind: str, record: dict) -> None:
     """Logs the scalar values of `record` (which holds 'step') under `kind`."""
@@ -56,6 +55,6 @@ def _load(path: str) -> list[dict]:
 def read_records(workdir: str) -> dict[str, list[dict]]:
   """{kind: [record, ...] in step order} from WORKDIR/metrics.jsonl."""
   kinds = {}
-  for record in _load(os.path.join(workdir, RECORDS_FILE)):
+  for record in _load(os.path.join(workdir, METRICS)):
     kinds.setdefault(record.pop('kind'), []).append(record)
   return kinds

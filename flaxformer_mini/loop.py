@@ -26,6 +26,7 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import TrainState, create_train_state
+from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir
 
 _SUMMED = ('loss_sum', 'ntokens', 'correct')
@@ -307,7 +308,7 @@ class TrainingRun:
   def open(cls, config: TransformerConfig, workdir: Workdir,
            parallel: DataParallel) -> 'TrainingRun':
     """Resumes WORKDIR/checkpoints if they hold a run, else starts one."""
-    checkpoints = Checkpoints(workdir.path_of('checkpoints'),
+    checkpoints = Checkpoints(workdir.path_of(workdir_lib.CHECKPOINTS),
                               config.keep_checkpoints, writer=True)
     try:
       state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)

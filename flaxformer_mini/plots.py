@@ -15,9 +15,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 import numpy as np
 
 from flaxformer_mini import logbook, tour
-
-CURVES_FILE = 'curves.png'
-BLEU_FILE = 'bleu.png'
+from flaxformer_mini.workdir import BLEU_CURVE, CURVES, METRICS
 # Evaluation numbers worth a panel of their own (and its title), in order.
 _EVAL_SCORES = {'exact_match': 'exact match (fresh sequences)',
                 'val_bleu': 'validation sacreBLEU (greedy)'}
@@ -42,7 +40,7 @@ def training_curves(workdir: str, title: str | None = None) -> str:
   train = records.get('train', [])
   if not train:
     raise ValueError(f'{workdir} has no logged training steps in '
-                     f'{logbook.RECORDS_FILE}; train first.')
+                     f'{METRICS}; train first.')
   evals = records.get('eval', [])
   scores = [name for name in _EVAL_SCORES if any(name in e for e in evals)]
   figure = Figure(figsize=(4.2 * (2 + len(scores)), 3.4), layout='constrained')
@@ -60,7 +58,7 @@ def training_curves(workdir: str, title: str | None = None) -> str:
     axis.set(title=_EVAL_SCORES[name], xlabel='step')
   if title:
     figure.suptitle(title)
-  path = os.path.join(workdir, CURVES_FILE)
+  path = os.path.join(workdir, CURVES)
   figure.savefig(path, dpi=110)
   return path
 
@@ -86,7 +84,7 @@ def bleu_over_time(workdir: str) -> str:
            xlabel='minutes since the run started', ylabel='BLEU')
   axis.grid(alpha=0.3)
   axis.legend()
-  path = os.path.join(workdir, BLEU_FILE)
+  path = os.path.join(workdir, BLEU_CURVE)
   figure.savefig(path, dpi=110)
   return path
 

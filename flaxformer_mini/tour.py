@@ -14,15 +14,16 @@ lost in.
 
 import argparse
 import dataclasses
-import os
 
 import flax.traverse_util
 import jax
 import numpy as np
 
-from flaxformer_mini import checkpoints
 from flaxformer_mini import config as config_lib
+from flaxformer_mini import workdir
+from flaxformer_mini.checkpoints import CheckpointError
 from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.data import DataError
 from flaxformer_mini.masks import Batch, make_batch
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
@@ -185,11 +186,10 @@ def main(argv: list[str] | None = None) -> None:
   config, params = config_lib.get_config(args.config), None
   if args.workdir:
     try:
-      config = checkpoints.read_run_config(args.workdir)
-      params = checkpoints.load_params(
-          os.path.join(args.workdir, checkpoints.CHECKPOINTS_DIR), config)
-    except checkpoints.CheckpointError as e:
+      run = workdir.load_run(args.workdir)
+    except (CheckpointError, DataError, workdir.WorkdirError) as e:
       parser.error(str(e))
+    config, params = run.config, run.params
   print_tour(config, params, args.values)
 
 

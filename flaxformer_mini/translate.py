@@ -12,7 +12,6 @@ an empty input line gives an empty output line.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -20,19 +19,12 @@ import sys
 import jax
 import numpy as np
 
-from flaxformer_mini import checkpoints as ckpt
 from flaxformer_mini import compilation_cache
 from flaxformer_mini import decoding
+from flaxformer_mini import workdir as workdir_lib
+from flaxformer_mini.checkpoints import CheckpointError
 from flaxformer_mini.config import TransformerConfig
-from flaxformer_mini.data.tokenizer import load_tokenizer
-
-TOKENIZER_NAME = 'spm'
-RESULTS_FILE = 'results.json'
-
-
-def tokenizer_path(workdir: str) -> str:
-  """WORKDIR/spm: the prefix of the run's spm.model and spm.vocab."""
-  return os.path.join(workdir, TOKENIZER_NAME)
+from flaxformer_mini.data import DataError
 
 
 # One jitted program per shape for the process: a later call (the next
@@ -169,15 +161,6 @@ def split_lines(data: bytes, source: str) -> list[str]:
   return [line.removesuffix('\r') for line in lines]
 
 
-def chosen_params(workdir: str) -> str:
-  """'averaged' or 'latest': what the workdir's run kept for translation."""
-  path = os.path.join(workdir, RESULTS_FILE)
-  if os.path.isfile(path):
-    with open(path) as f:
-      return json.load(f).get('translate_with', 'latest')
-  return 'latest'
-
-
 def _positive_int(text: str) -> int:
   value = int(text)
   if value < 1:
@@ -217,8 +200,9 @@ def main(argv: list[str]) -> None:
     parser.error(f'--input={args.input}: '
                  + ('a folder, not a file.' if os.path.isdir(args.input) else
                     'no such file.'))
-  if not os.path.isfile(tokenizer_path(args.workdir) + '.model'):
-    parser.error(f'--workdir={args.workdir}: no {TOKENIZER_NAME}.model '
+  if not os.path.isfile(os.path.join(args.workdir,
+                                     workdir_lib.TOKENIZER + '.model')):
+    parser.error(f'--workdir={args.workdir}: no {workdir_lib.TOKENIZER}.model '
                  'there; train with train.py --task=translate first.')
   try:
     if args.input is None:
@@ -228,21 +212,18 @@ def main(argv: list[str]) -> None:
         lines = split_lines(f.read(), f'--input={args.input}')
   except ValueError as e:
     parser.error(str(e))
-  which = chosen_params(args.workdir) if args.params == 'best' else args.params
   compilation_cache.use(args.compilation_cache)
   try:
-    config = ckpt.read_run_config(args.workdir)
-    params = ckpt.load_params(os.path.join(
-        args.workdir, ckpt.AVERAGED_DIR if which == 'averaged' else
-        ckpt.CHECKPOINTS_DIR), config)
-  except ckpt.CheckpointError as e:
+    run = workdir_lib.load_run(args.workdir, args.params)
+  except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
     parser.error(str(e))
+  config = run.config
   warn = lambda number, length: print(
       f'translate: line {number} has {length} tokens; cut to '
       f'{config.max_len - 1} (the model\'s max_len)', file=sys.stderr)
   translations = translate_lines(
-      params, config, load_tokenizer(tokenizer_path(args.workdir)), lines,
-      args.beam_size, config.eval_alpha if args.alpha is None else args.alpha,
+      run.params, config, run.tokenizer, lines, args.beam_size,
+      config.eval_alpha if args.alpha is None else args.alpha,
       args.batch_size, warn)
   sys.stdout.write(''.join(line + '\n' for line in translations))
 

@@ -1,29 +1,49 @@
-"""A run's folder: one run at a time, and nothing lost when starting over.
+"""A run's folder: the names of its files, one run at a time, nothing lost
+when starting over, and the one way to load a trained run.
 
     WORKDIR/
       .lock               held by the run that uses the folder (its pid inside)
       checkpoints/        orbax steps: resumed from by the next run
+      averaged/           translation: the mean of the last checkpoints
       metrics.jsonl       every logged record; tensorboard/ the same as events
-      results.json        the run's outcome; curves.png its training curves
-      spm.model, tfds/    translation: the vocabulary and the prepared data,
-                          with prepared.json saying what they were made from
+      results.json        the run's outcome; curves.png (and bleu.png) its curves
+      spm.model           translation: the joint vocabulary (and spm.vocab)
+      tfds/               translation: local data files prepared for TFDS
+      prepared.json       what the vocabulary and tfds/ were made from
       set-aside-<time>/   what --fresh moved out of the way
 
 A second run on the same folder is refused at once, naming the process that
 holds it; the lock is the kernel's (flock), so a run killed with SIGKILL
 leaves no lock behind. In a multi-host run the first process holds it.
+Reading a run (`load_run`) takes no lock and writes nothing.
 """
 
+import dataclasses
 import fcntl
 import json
 import os
 import socket
+import sys
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import jax
 
+from flaxformer_mini import checkpoints as ckpt
+from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.data import tokenizer as spm_lib
+
 LOCK = '.lock'
+CHECKPOINTS = 'checkpoints'
+AVERAGED = 'averaged'
+METRICS = 'metrics.jsonl'
+TENSORBOARD = 'tensorboard'
+RESULTS = 'results.json'
+CURVES = 'curves.png'
+BLEU_CURVE = 'bleu.png'
+TOKENIZER = 'spm'  # the prefix of spm.model and spm.vocab
+TFDS = 'tfds'
+PREPARED = 'prepared.json'
 SET_ASIDE_PREFIX = 'set-aside-'
 
 
@@ -104,10 +124,7 @@ class Workdir:
 
   def read_json(self, name: str) -> dict | None:
     """WORKDIR/name parsed, or None if it does not exist."""
-    if not os.path.isfile(self.path_of(name)):
-      return None
-    with open(self.path_of(name)) as f:
-      return json.load(f)
+    return read_json(self.path_of(name))
 
   def write_json(self, name: str, content: dict) -> str:
     """Writes WORKDIR/name (whole, or not at all); returns its path."""
@@ -116,3 +133,90 @@ class Workdir:
       json.dump(content, f, indent=2)
     os.replace(path + '.tmp', path)
     return path
+
+
+def read_json(path: str) -> dict | None:
+  """A JSON file the project wrote, or None where there is none.
+
+  Raises:
+    WorkdirError: the file is not whole JSON (cut short by a crash or a full
+      disk, or edited), naming it.
+  """
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise WorkdirError(f'{path} is damaged ({str(e)[:80]}); restore it from '
+                       'a copy, or move it away to go on without it.') from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun:
+  """A trained run as `load_run` reads it."""
+  config: TransformerConfig  # the config it was trained with
+  params: Any                # the parameters, replicated over every device
+  which: str                 # 'latest' or 'averaged'
+  step: int                  # the training step they come from
+  tokenizer: Any             # its SentencePiece model (translation), or None
+
+
+def _chosen(path: str) -> str:
+  """'averaged' or 'latest': what the run at `path` kept for translating."""
+  try:
+    results = read_json(os.path.join(path, RESULTS)) or {}
+  except WorkdirError as e:
+    # results.json only says which parameters scored better: a damaged one
+    # costs that choice, not the run.
+    print(f'warning: {e} Using the latest parameters.', file=sys.stderr)
+    return 'latest'
+  return results.get('translate_with', 'latest')
+
+
+def load_run(path: str, which: str = 'best', sharding=None) -> TrainedRun:
+  """The trained run in the workdir `path`: its config, parameters, vocabulary.
+
+  which: 'best' (what the run chose for translating: the averaged or the
+  last parameters, whichever scored better on validation; 'latest' for a run
+  that chose nothing), 'latest' (the last checkpoint) or 'averaged'. The
+  config is the one saved with those parameters. Nothing in `path` is
+  written, so a run may be read while it trains; a checkpoint that the
+  training run deletes while it is read (it keeps only its last few) is
+  replaced by the newest one.
+
+  Raises:
+    WorkdirError: `path` is not a run's folder.
+    CheckpointError: it holds no readable checkpoint of that kind.
+    DataError: its vocabulary is damaged.
+  """
+  if not os.path.isdir(path):
+    raise WorkdirError(f'--workdir={path}: no such folder; name the workdir '
+                       'of a run trained with train.py.')
+  if which == 'best':
+    which = _chosen(path)
+  directory = os.path.join(path, AVERAGED if which == 'averaged' else
+                           CHECKPOINTS)
+  if not os.path.isdir(directory):
+    raise ckpt.CheckpointError(
+        f'--workdir={path} holds no {os.path.basename(directory)}: '
+        + ('train there with train.py first.' if which == 'latest' else
+           'its run averaged no checkpoints; use its latest parameters.'))
+  while True:
+    with ckpt.Checkpoints(directory) as checkpoints:
+      step = checkpoints.latest_step()
+      if step is None:
+        raise ckpt.CheckpointError(f'{directory} holds no complete '
+                                   'checkpoint.')
+      try:
+        config = ckpt.saved_config(checkpoints.read_meta(step))
+        params = checkpoints.restore_params(step, ckpt.params_shape(config),
+                                            sharding)
+        break
+      except ckpt.CheckpointError:
+        if os.path.isdir(checkpoints.step_path(step)):
+          raise
+  vocabulary = os.path.join(path, TOKENIZER)
+  tokenizer = (spm_lib.load_tokenizer(vocabulary)
+               if os.path.isfile(vocabulary + '.model') else None)
+  return TrainedRun(config, params, which, step, tokenizer)

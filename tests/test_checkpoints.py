@@ -22,6 +22,7 @@ from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
+from flaxformer_mini.workdir import AVERAGED, load_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -268,12 +269,12 @@ def test_averaged_params_save_and_load_for_inference(tmp_path, cfg):
   with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
     mean, steps = ckpt.average_params(checkpoints, 3, state.params)
   assert steps == [10, 20, 30]
-  with ckpt.Checkpoints(str(tmp_path / ckpt.AVERAGED_DIR), keep=1,
+  with ckpt.Checkpoints(str(tmp_path / AVERAGED), keep=1,
                         writer=True) as out:
     out.save_params(30, mean, cfg, {'averaged_steps': steps})
     out.wait()
     out.save_params(30, mean, cfg, {'averaged_steps': steps})  # replaced
-  averaged = ckpt.load_params(str(tmp_path / ckpt.AVERAGED_DIR), cfg)
+  averaged = ckpt.load_params(str(tmp_path / AVERAGED), cfg)
   latest = ckpt.load_params(str(tmp_path / 'checkpoints'), cfg)
   for a, b in zip(_leaves(latest), _leaves(state.params)):
     np.testing.assert_array_equal(a, b)
@@ -282,9 +283,9 @@ def test_averaged_params_save_and_load_for_inference(tmp_path, cfg):
   assert not all(np.array_equal(a, b) for a, b in
                  zip(_leaves(averaged), _leaves(latest)))
   with pytest.raises(ckpt.CheckpointError, match='does not fit'):
-    ckpt.load_params(str(tmp_path / ckpt.AVERAGED_DIR),
+    ckpt.load_params(str(tmp_path / AVERAGED),
                      cfg.replace(d_model=16, d_ff=32))
-  assert ckpt.read_run_config(str(tmp_path)) == cfg.replace(train_steps=30)
+  assert load_run(str(tmp_path)).config == cfg.replace(train_steps=30)
 
 
 def _start_training(workdir, *flags):
@@ -368,8 +369,7 @@ def test_kill_9_again_and_again_while_writing_then_resume_bitwise(tmp_path):
               if not e.isdigit()]
   whole = finish(tmp_path / 'whole')
   assert whole.returncode == 0, whole.stderr[-2000:]
-  cfg = ckpt.read_run_config(str(workdir))
-  ends = [ckpt.load_params(str(directory / 'checkpoints'), cfg)
+  ends = [load_run(str(directory)).params
           for directory in (workdir, tmp_path / 'whole')]
   for a, b in zip(*map(_leaves, ends)):
     np.testing.assert_array_equal(a, b)

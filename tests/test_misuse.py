@@ -30,6 +30,7 @@ from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.tasks import copy
 from flaxformer_mini.tasks import translate as translate_task
 from flaxformer_mini.training import init_params
+from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir, WorkdirError
 
 needs_multi30k = pytest.mark.skipif(
@@ -204,7 +205,7 @@ def test_the_tour_reads_the_workdirs_own_config(toy_workdir, tmp_path):
   # [g02] A mistyped workdir is an error, not a tour of random weights.
   _one_line_error(_train('--task=copy', '--tour',
                          f'--workdir={tmp_path / "mistyped"}'), 1,
-                  'holds no checkpoints')
+                  'mistyped: no such folder')
   random = _train('--task=copy', '--config=toy', '--tour')
   assert 'random weights of the toy preset' in random.stdout.decode()
 
@@ -451,7 +452,7 @@ def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
   with Workdir(str(workdir)) as held:
     texts, _ = translate_task.prepare(config, held, str(data_slice), None,
                                       None, fresh=False)
-    first = held.read_json(translate_task.PREPARED_FILE)
+    first = held.read_json(workdir_lib.PREPARED)
     with pytest.raises(WorkdirError, match="the data's contents"):
       translate_task.prepare(config, held, str(other), None, None, False)
     with pytest.raises(WorkdirError, match='vocab_size: 300 -> 400'):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from flaxformer_mini import logbook, plots, tour
+from flaxformer_mini import logbook, plots, tour, workdir
 
 
 def _tensorboard_scalars(directory):
@@ -37,7 +37,7 @@ def test_records_reach_jsonl_and_tensorboard(tmp_path):
   records = logbook.read_records(str(tmp_path))
   assert [r['step'] for r in records['train']] == [10, 20]
   assert records['eval'] == [{'step': 20, 'val_bleu': 12.5}]
-  scalars = _tensorboard_scalars(tmp_path / logbook.TENSORBOARD_DIR)
+  scalars = _tensorboard_scalars(tmp_path / workdir.TENSORBOARD)
   assert scalars['train/loss'] == [(10, pytest.approx(0.1)),
                                    (20, pytest.approx(0.05))]
   assert scalars['eval/val_bleu'] == [(20, 12.5)]
@@ -64,7 +64,7 @@ def test_training_curves_png(tmp_path):
   log.write('eval', {'step': 500, 'val_loss': 0.3, 'val_bleu': 20.0})
   log.close()
   path = plots.training_curves(str(tmp_path), 'test run')
-  assert path == str(tmp_path / plots.CURVES_FILE)
+  assert path == str(tmp_path / workdir.CURVES)
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 

@@ -21,6 +21,7 @@ from flaxformer_mini.loop import SignalCatcher, TrainingRun
 from flaxformer_mini.parallel import (DataParallel, check_divisible,
                                       decode_sharded)
 from flaxformer_mini.training import TrainState
+from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir
 
 # Exact match is measured on this many fresh sequences per evaluation.
@@ -145,7 +146,7 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
                                            config.pad_id)
         print(f'source: {" ".join(map(str, source))}\n'
               f'output: {" ".join(map(str, shown))}')
-      path = workdir.write_json('results.json', results)
+      path = workdir.write_json(workdir_lib.RESULTS, results)
       print(f'exact match {match:.4f} after {results["steps"]} steps on '
             f'{results["devices"]} device(s), {results["wall_seconds"]:.1f} '
             f's; results in {path}')

@@ -24,19 +24,20 @@ import numpy as np
 import tqdm
 
 from flaxformer_mini import evaluation, plots
-from flaxformer_mini.checkpoints import AVERAGED_DIR, Checkpoints, average_params
+from flaxformer_mini import workdir as workdir_lib
+from flaxformer_mini.checkpoints import Checkpoints, average_params
 from flaxformer_mini.config import ConfigError, TransformerConfig
 from flaxformer_mini.data import batching, parallel_text
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.loop import SignalCatcher, TrainingRun
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import TrainState
-from flaxformer_mini.translate import tokenizer_path, translate_lines
+from flaxformer_mini.translate import translate_lines
 from flaxformer_mini.workdir import Workdir, WorkdirError
 
-PREPARED_FILE = 'prepared.json'
 # What --fresh keeps when it was prepared from the same data and settings.
-_PREPARED = ('tfds', 'spm.model', 'spm.vocab', PREPARED_FILE)
+_PREPARED = (workdir_lib.TFDS, workdir_lib.TOKENIZER + '.model',
+             workdir_lib.TOKENIZER + '.vocab', workdir_lib.PREPARED)
 
 
 def check_config(config: TransformerConfig) -> None:
@@ -94,9 +95,10 @@ def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
   else:
     source, content = f'tfds:{dataset}', dataset
   wanted = _wanted(config, source, content)
-  prepared = workdir.read_json(PREPARED_FILE)
-  earlier = (os.path.isfile(tokenizer_path(workdir.path) + '.model') or
-             os.path.isdir(workdir.path_of('checkpoints')))
+  prepared = workdir.read_json(workdir_lib.PREPARED)
+  vocabulary = workdir.path_of(workdir_lib.TOKENIZER)
+  earlier = (os.path.isfile(vocabulary + '.model') or
+             os.path.isdir(workdir.path_of(workdir_lib.CHECKPOINTS)))
   if fresh:
     keep = _PREPARED if prepared == wanted else ()
     if moved := workdir.set_aside(keep):
@@ -113,19 +115,20 @@ def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
         '--workdir.')
   if data_dir:
     splits = parallel_text.load_local(
-        files, languages, tfds_dir or workdir.path_of('tfds'), content)
+        files, languages, tfds_dir or workdir.path_of(workdir_lib.TFDS),
+        content)
   else:
     splits = parallel_text.load_catalog(dataset, tfds_dir)
   texts = {split: parallel_text.pairs_of(data, languages)
            for split, data in splits.items()}
-  path = tokenizer_path(workdir.path)
-  if os.path.isfile(path + '.model'):
-    tokenizer = spm_lib.load_tokenizer(path)
+  if os.path.isfile(vocabulary + '.model'):
+    tokenizer = spm_lib.load_tokenizer(vocabulary)
   else:
     train_src, train_tgt = texts['train']
-    tokenizer = spm_lib.train_tokenizer(train_src + train_tgt, path, config)
+    tokenizer = spm_lib.train_tokenizer(train_src + train_tgt, vocabulary,
+                                        config)
   spm_lib.check_special_ids(tokenizer, config)
-  workdir.write_json(PREPARED_FILE, wanted)
+  workdir.write_json(workdir_lib.PREPARED, wanted)
   return texts, tokenizer
 
 
@@ -219,7 +222,7 @@ def run(config: TransformerConfig, workdir_path: str,
     candidates = {'latest': state.params}
     averaged_steps = []
     if config.average_last > 1:
-      with Checkpoints(workdir.path_of('checkpoints')) as checkpoints:
+      with Checkpoints(workdir.path_of(workdir_lib.CHECKPOINTS)) as checkpoints:
         # A run its time budget ended early averages the checkpoints it
         # saved (its first log said so) rather than lose its final scores.
         last = min(config.average_last, len(checkpoints.steps()))
@@ -232,7 +235,7 @@ def run(config: TransformerConfig, workdir_path: str,
           candidates['averaged'], averaged_steps = average_params(
               checkpoints, last, state.params)
     if averaged_steps and jax.process_index() == 0:
-      with Checkpoints(workdir.path_of(AVERAGED_DIR), keep=1,
+      with Checkpoints(workdir.path_of(workdir_lib.AVERAGED), keep=1,
                        writer=True) as averaged:
         averaged.save_params(int(state.step), candidates['averaged'], config,
                              {'averaged_steps': averaged_steps})
@@ -251,7 +254,7 @@ def run(config: TransformerConfig, workdir_path: str,
                  'train_skipped_too_long': train_pairs.too_long,
                  'batches_per_epoch': train_batches.per_epoch,
                  'batch_shapes': sorted(train_batches.shapes())},
-        'vocabulary': {'path': tokenizer_path(workdir.path) + '.model',
+        'vocabulary': {'path': workdir.path_of(workdir_lib.TOKENIZER) + '.model',
                        'size': tokenizer.get_piece_size(), 'type': 'unigram',
                        'joint': True},
         'devices': jax.device_count(),
@@ -277,7 +280,7 @@ def run(config: TransformerConfig, workdir_path: str,
         'history': history,
     }
     if jax.process_index() == 0:  # one writer in a multi-host run
-      path = workdir.write_json('results.json', results)
+      path = workdir.write_json(workdir_lib.RESULTS, results)
       if evaluations:
         plots.bleu_over_time(workdir.path)
       for name, scores in validation.items():
