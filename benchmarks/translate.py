@@ -57,9 +57,9 @@ def _timed_passes(run) -> tuple[float, float, list]:
 def translate_command(workdir: str, data_dir: str, split: str, beam: int,
                       batch_size: int) -> tuple[dict, object]:
   """The trained model on the test split -> (figures, its config)."""
-  run = workdir_lib.load_run(workdir)
-  config, params = run.config, run.params
-  sources = [run.tokenizer.encode(line) for line in
+  trained = workdir_lib.load_run(workdir)
+  config, params = trained.config, trained.params
+  sources = [trained.tokenizer.encode(line) for line in
              _test_sources(data_dir, config, split)]
   run = functools.partial(translate_ids, params, config, sources, beam,
                           config.eval_alpha, batch_size)
@@ -77,7 +77,7 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
     needed += sum(lengths)
     spent += max(lengths) * len(lengths)
   return {'sentences': len(sources), 'beam': beam, 'batch_size': batch_size,
-          'params': run.which, 'first_pass_s': first_s, 'seconds': seconds,
+          'params': trained.which, 'first_pass_s': first_s, 'seconds': seconds,
           'sentences_per_s': len(sources) / seconds,
           'generated_tokens_per_s': generated / seconds,
           'mean_generated_tokens': generated / len(sources),
