@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini import decoding
+from flaxformer_mini import decoding, search
 from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
@@ -46,8 +46,8 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
                                       method=Transformer.encode)
   cache = decoding.init_cache(config, src.shape[0], gen_len)
   if beam_size > 1:
-    encoded = decoding.expand_to_beams(encoded, beam_size)
-    src_mask = decoding.expand_to_beams(src_mask, beam_size)
+    encoded = search.expand_to_beams(encoded, beam_size)
+    src_mask = search.expand_to_beams(src_mask, beam_size)
   if cross_kv_once:
     step = decoding.transformer_tokens_to_logits(params, config, encoded,
                                                  src_mask)
@@ -66,8 +66,8 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
 
   ids = dict(bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id)
   if beam_size == 1:
-    return decoding.greedy_search(no_eos, cache, src.shape[0], gen_len, **ids)
-  return decoding.beam_search(
+    return search.greedy_search(no_eos, cache, src.shape[0], gen_len, **ids)
+  return search.beam_search(
       no_eos, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=gen_len, alpha=0.6, **ids).sequences[:, 0]
 

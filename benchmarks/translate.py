@@ -5,7 +5,7 @@
 
 With a trained workdir: its model translates the test split's source lines
 (test_2016_flickr: 1,000 lines) as `python -m flaxformer_mini.translate`
-does (translate.translate_ids: sorted by length, batches of --batch_size,
+does (decoding.translate_ids: sorted by length, batches of --batch_size,
 beam --beam; ended sentences leave their batch on the way), twice: the
 first pass compiles, the second is timed. Reports sentences/s and generated
 tokens/s (eos included). The same again in one stage (shrink_batches=False:
@@ -25,10 +25,10 @@ import os
 import time
 
 from flaxformer_mini import decoding
+from flaxformer_mini.decoding import translate_ids
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import parallel_text
-from flaxformer_mini.translate import translate_ids
 
 import common
 import decode as decode_bench

@@ -7,35 +7,34 @@ Figure 1, box by box:
   model.py        Encoder, Decoder, Transformer (encode / decode)
 and around it: config, masks (the Batch), losses, schedules, training (the
 pure steps), parallel, loop (the training loop), checkpoints, workdir,
-decoding, evaluation, data/, tasks/ (copy, translate), translate (the
-command), tour, plots, logbook, compilation_cache; cpu_kernels is the opt-in
-CPU seam.
+search (greedy and beam search over any model), decoding (the Transformer's),
+evaluation, data/, tasks/ (copy, translate), translate (the command), tour,
+plots, logbook, compilation_cache; cpu_kernels is the opt-in CPU seam.
 """
 
 from flaxformer_mini.checkpoints import Checkpoints, load_params
 from flaxformer_mini.config import ConfigError, TransformerConfig, get_config
-from flaxformer_mini.decoding import (BeamSearchResult, BeamState,
-                                      beam_decode, beam_search,
-                                      beam_search_result,
-                                      continue_beam_decode,
-                                      continue_beam_search, expand_to_beams,
-                                      greedy_decode, greedy_search,
-                                      init_cache, start_beam_decode,
-                                      start_beam_search, take_items,
-                                      transformer_tokens_to_logits)
+from flaxformer_mini.decoding import (beam_decode, greedy_decode, init_cache,
+                                      transformer_tokens_to_logits,
+                                      translate_lines)
 from flaxformer_mini.masks import Batch, make_batch
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.search import (BeamSearchResult, BeamState, beam_search,
+                                    beam_search_result, expand_to_beams,
+                                    greedy_search, run_beam_search,
+                                    start_beam_search, take_items)
 from flaxformer_mini.training import (TrainState, create_train_state,
                                       eval_step, init_params, train_step)
+from flaxformer_mini.workdir import TrainedRun, load_run
 
 __all__ = [
     'Batch', 'BeamSearchResult', 'BeamState', 'Checkpoints', 'ConfigError',
-    'DataParallel', 'TrainState', 'Transformer', 'TransformerConfig',
-    'beam_decode', 'beam_search', 'beam_search_result',
-    'continue_beam_decode', 'continue_beam_search', 'create_train_state',
-    'eval_step', 'expand_to_beams', 'get_config', 'greedy_decode',
-    'greedy_search', 'init_cache', 'init_params', 'load_params',
-    'make_batch', 'start_beam_decode', 'start_beam_search', 'take_items',
-    'train_step', 'transformer_tokens_to_logits',
+    'DataParallel', 'TrainState', 'TrainedRun', 'Transformer',
+    'TransformerConfig', 'beam_decode', 'beam_search', 'beam_search_result',
+    'create_train_state', 'eval_step', 'expand_to_beams', 'get_config',
+    'greedy_decode', 'greedy_search', 'init_cache', 'init_params',
+    'load_params', 'load_run', 'make_batch', 'run_beam_search',
+    'start_beam_search', 'take_items', 'train_step',
+    'transformer_tokens_to_logits', 'translate_lines',
 ]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_mini import decoding
+from flaxformer_mini import decoding, search
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.masks import padding_mask, target_mask
 from flaxformer_mini.model import Transformer
@@ -148,7 +148,7 @@ def _markov_search(alpha, beam_size, max_len=4):
   def tokens_to_logits(tokens, cache):
     return transition_logits[tokens[:, 0]], cache
 
-  return decoding.beam_search(
+  return search.beam_search(
       tokens_to_logits, jnp.zeros((1,)), batch_size=1, beam_size=beam_size,
       max_len=max_len, alpha=alpha, bos_id=bos, eos_id=eos, pad_id=pad)
 
@@ -188,20 +188,20 @@ def _countdown_search_pieces():
 def test_finished_items_can_leave_the_search_without_changing_any_result():
   tokens_to_logits, ids = _countdown_search_pieces()
   left = jnp.array([1, 6, 2, 9, 0, 4, 3, 7], jnp.int32)
-  start = lambda: decoding.start_beam_search(
+  start = lambda: search.start_beam_search(
       {'left': left}, batch_size=8, beam_size=3, max_len=14, bos_id=ids['bos_id'],
       pad_id=ids['pad_id'])
-  whole = decoding.beam_search_result(decoding.continue_beam_search(
+  whole = search.beam_search_result(search.run_beam_search(
       tokens_to_logits, start(), alpha=0.6, **ids), n_best=3)
 
-  part = decoding.continue_beam_search(tokens_to_logits, start(), alpha=0.6,
-                                       stop_at_not_done=3, **ids)
+  part = search.run_beam_search(tokens_to_logits, start(), alpha=0.6,
+                                until_searching=3, **ids)
   not_done = np.flatnonzero(~np.asarray(part.done))
   assert len(not_done) <= 3 and int(part.step) < 14  # stopped on the way
   done = np.flatnonzero(np.asarray(part.done))
-  early = decoding.beam_search_result(part, n_best=3)
-  rest = decoding.beam_search_result(decoding.continue_beam_search(
-      tokens_to_logits, decoding.take_items(part, jnp.asarray(not_done)),
+  early = search.beam_search_result(part, n_best=3)
+  rest = search.beam_search_result(search.run_beam_search(
+      tokens_to_logits, search.take_items(part, jnp.asarray(not_done)),
       alpha=0.6, **ids), n_best=3)
   for field in ('sequences', 'scores', 'lengths', 'reached_eos'):
     np.testing.assert_array_equal(getattr(early, field)[done],
@@ -229,42 +229,40 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
     small_copy_config, train_copy_model, monkeypatch):
   """translate_ids in batches of 32 (stages of 32 and 8 rows) gives each
   sentence the translation it gets searched alone."""
-  from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
   cfg = small_copy_config
   state, _, _ = train_copy_model(cfg)
   rng = np.random.default_rng(0)
   sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
                           size=n).tolist() for n in rng.integers(1, 7, 40)]
   taken = []
-  take = translate._take_items  # pylint: disable=protected-access
-  monkeypatch.setattr(translate, '_take_items', lambda state, keep: (
+  take = decoding._jit_take_items  # pylint: disable=protected-access
+  monkeypatch.setattr(decoding, '_jit_take_items', lambda state, keep: (
       taken.append(len(keep)), take(state, keep))[1])
-  together = translate.translate_ids(state.params, cfg, sources, beam_size=2,
-                                     batch_size=32)
+  together = decoding.translate_ids(state.params, cfg, sources, beam_size=2,
+                                    batch_size=32)
   assert taken and set(taken) == {8}  # some left their batch of 32
-  alone = [translate.translate_ids(state.params, cfg, [ids], beam_size=2,
-                                   batch_size=1)[0] for ids in sources]
+  alone = [decoding.translate_ids(state.params, cfg, [ids], beam_size=2,
+                                  batch_size=1)[0] for ids in sources]
   assert together == alone
-  assert translate.translate_ids(state.params, cfg, sources, beam_size=2,
-                                 batch_size=32, shrink_batches=False) == alone
+  assert decoding.translate_ids(state.params, cfg, sources, beam_size=2,
+                                batch_size=32, shrink_batches=False) == alone
 
 
 def test_the_translate_command_compiles_once_whatever_the_params_placement(
     small_copy_config, train_copy_model):
   """Host parameters (averaging makes them) reuse the programs compiled for
   the training state's device copy, instead of compiling their own."""
-  from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
   cfg = small_copy_config
   state, _, _ = train_copy_model(cfg)
   sources = [[cfg.first_ordinary_id + i for i in range(n)] for n in (3, 5)]
-  on_device = translate.translate_ids(state.params, cfg, sources, beam_size=2,
-                                      batch_size=8)
-  search = translate._continue_beams  # pylint: disable=protected-access
-  compiled = search._cache_size()  # pylint: disable=protected-access
-  on_host = translate.translate_ids(jax.tree.map(np.asarray, state.params),
-                                    cfg, sources, beam_size=2, batch_size=8)
+  on_device = decoding.translate_ids(state.params, cfg, sources, beam_size=2,
+                                     batch_size=8)
+  beams = decoding._jit_run_beams  # pylint: disable=protected-access
+  compiled = beams._cache_size()  # pylint: disable=protected-access
+  on_host = decoding.translate_ids(jax.tree.map(np.asarray, state.params),
+                                   cfg, sources, beam_size=2, batch_size=8)
   assert on_host == on_device
-  assert search._cache_size() == compiled  # pylint: disable=protected-access
+  assert beams._cache_size() == compiled  # pylint: disable=protected-access
 
 
 def test_jitted_user_code_compiles_once_and_runs_under_vmap(toy_model):
@@ -293,7 +291,7 @@ _SHARDED_SCRIPT = textwrap.dedent('''
     import functools, json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from flaxformer_mini import decoding
+    from flaxformer_mini import decoding, search
     from flaxformer_mini.config import get_config
     from flaxformer_mini.training import init_params
 

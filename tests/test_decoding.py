@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_mini import decoding
+from flaxformer_mini import decoding, search
 from flaxformer_mini.masks import padding_mask, target_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.training import init_params
@@ -91,8 +91,8 @@ def test_greedy_search_stops_each_row_at_eos_and_pads_after():
     del tokens
     return jax.nn.one_hot(script[:, step], 10) * 10, step + 1
 
-  out = decoding.greedy_search(tokens_to_logits, jnp.asarray(0), 3, 4, bos,
-                               eos, pad)
+  out = search.greedy_search(tokens_to_logits, jnp.asarray(0), 3, 4, bos,
+                             eos, pad)
   np.testing.assert_array_equal(
       out, [[5, eos, pad, pad], [5, 6, 7, 8], [eos, pad, pad, pad]])
 

@@ -29,10 +29,10 @@ from flaxformer_mini.checkpoints import Checkpoints, average_params
 from flaxformer_mini.config import ConfigError, TransformerConfig
 from flaxformer_mini.data import batching, parallel_text
 from flaxformer_mini.data import tokenizer as spm_lib
+from flaxformer_mini.decoding import translate_lines
 from flaxformer_mini.loop import SignalCatcher, TrainingRun
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import TrainState
-from flaxformer_mini.translate import translate_lines
 from flaxformer_mini.workdir import Workdir, WorkdirError
 
 # What --fresh keeps when it was prepared from the same data and settings.

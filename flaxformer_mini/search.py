@@ -1,0 +1,353 @@
+"""Greedy and beam search over any model: a tokens -> logits function and a cache.
+
+The searches never look inside the model (as in T5X): they take a function
+`tokens_to_logits(tokens, cache) -> (logits, new_cache)` and the cache it
+reads and writes, so any decoder can use them. Each is one jax.lax.while_loop,
+so a whole search runs on the device and can be jitted, vmapped or sharded by
+the caller. `decoding.py` builds that function from the Transformer.
+
+Neither search ever emits pad (the filler after eos) or bos (it only starts a
+sequence); scores stay the model's own log-probabilities.
+
+Beam search carries a cache with one row per beam: every leaf is
+[batch * beams, ...], each item's beams consecutive, except scalar leaves (the
+position counters), which all beams share (`_map_beam_rows`).
+"""
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+# (int32[rows, 1] the last tokens, cache) -> (float[rows, vocab] logits, cache)
+TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _forbid(scores, token_ids):
+  """Sets scores[..., id] = -inf for each id: float32[..., vocab] -> the same."""
+  return scores.at[..., jnp.asarray(token_ids)].set(-jnp.inf)
+
+
+def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
+                  max_len: int, bos_id: int, eos_id: int, pad_id: int):
+  """Picks the most likely next token until eos or max_len.
+
+  Args:
+    tokens_to_logits: (int32[batch, 1] last tokens, cache) ->
+      (float[batch, vocab] next-token logits, new cache).
+    cache: the decoder state before the first step.
+    batch_size: number of sequences.
+    max_len: number of output positions.
+    bos_id, eos_id, pad_id: the first input token, the token that ends a
+      sequence, and the filler after it.
+
+  Returns:
+    int32[batch, max_len]: each row is the output tokens, eos included if
+    generated, then pad. The loop stops once every row has ended.
+  """
+  # tokens[:, 0] is bos; step i reads tokens[:, i] and writes tokens[:, i + 1].
+  tokens = jnp.full((batch_size, max_len + 1), pad_id, jnp.int32)
+  tokens = tokens.at[:, 0].set(bos_id)
+  finished = jnp.zeros((batch_size,), bool)
+
+  def not_done(state):
+    step, _, _, finished = state
+    return (step < max_len) & ~jnp.all(finished)
+
+  def one_token(state):
+    step, tokens, cache, finished = state
+    last = jax.lax.dynamic_slice_in_dim(tokens, step, 1, axis=1)  # [batch, 1]
+    logits, cache = tokens_to_logits(last, cache)  # [batch, vocab]
+    logits = _forbid(logits.astype(jnp.float32), [pad_id, bos_id])
+    next_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
+    next_token = jnp.where(finished, pad_id, next_token)
+    tokens = jax.lax.dynamic_update_slice(tokens, next_token[:, None],
+                                          (0, step + 1))
+    return step + 1, tokens, cache, finished | (next_token == eos_id)
+
+  _, tokens, _, _ = jax.lax.while_loop(
+      not_done, one_token, (jnp.asarray(0), tokens, cache, finished))
+  return tokens[:, 1:]
+
+
+@flax.struct.dataclass
+class BeamSearchResult:
+  """The n best hypotheses of each batch item, best first.
+
+  Attributes:
+    sequences: int32[batch, n_best, max_len], tokens, eos if reached, then pad.
+    scores: float32[batch, n_best], log p(sequence) / length_penalty(length).
+    lengths: int32[batch, n_best], generated tokens, eos included.
+    reached_eos: bool[batch, n_best]; False for a hypothesis that was cut at
+      max_len without eos (scored the same way, with length max_len).
+  """
+  sequences: jax.Array
+  scores: jax.Array
+  lengths: jax.Array
+  reached_eos: jax.Array
+
+
+@flax.struct.dataclass
+class BeamState:
+  """What beam search carries from one step to the next: two pools per item.
+
+  Sequences hold bos in column 0: after `step` steps, columns 0..step of a
+  live sequence are what the decoder has been fed, and column `step` is the
+  token it reads next.
+  """
+  step: jax.Array                # int32[]: tokens generated so far
+  live_sequences: jax.Array      # int32[batch, beams, max_len + 1]
+  live_log_probs: jax.Array      # float32[batch, beams]: log p, best first
+  finished_sequences: jax.Array  # int32[batch, beams, max_len + 1]
+  finished_scores: jax.Array     # float32[batch, beams]: log p / lp; -inf: empty
+  finished_lengths: jax.Array    # int32[batch, beams]: tokens, eos included
+  finished_eos: jax.Array        # bool[batch, beams]: False: cut at max_len
+  done: jax.Array                # bool[batch]: no live one can beat the finished
+  cache: Any                     # the decoder's cache, [batch * beams, ...] leaves
+  max_len: int = flax.struct.field(pytree_node=False)  # positions to generate
+
+
+def length_penalty(length, alpha: float):
+  """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha: int32[...] -> float32[...].
+
+  A hypothesis scores log p(Y) / lp(Y): alpha > 0 favours longer ones.
+  """
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0)**alpha
+
+
+def expand_to_beams(x, beam_size: int):
+  """x: [batch, ...] -> [batch * beam_size, ...], each item's beams consecutive."""
+  return jnp.repeat(x, beam_size, axis=0)
+
+
+def _map_beam_rows(fn, cache):
+  """fn applied to every cache leaf with a row per beam ([batch * beams, ...]);
+  scalar leaves (the position counters, shared by all beams) stay as they are."""
+  return jax.tree.map(lambda leaf: leaf if leaf.ndim == 0 else fn(leaf), cache)
+
+
+def _gather_beams(x, beam_indices):
+  """x: [batch, beams, ...], beam_indices: int32[batch, k] -> [batch, k, ...]."""
+  return jax.vmap(lambda row, indices: row[indices])(x, beam_indices)
+
+
+def _gather_cache(cache, beam_indices):
+  """Reorders the cache's beam rows to follow beam_indices: int32[batch, beams]."""
+  batch, beams = beam_indices.shape
+  return _map_beam_rows(
+      lambda leaf: _gather_beams(leaf.reshape((batch, beams) + leaf.shape[1:]),
+                                 beam_indices).reshape(leaf.shape), cache)
+
+
+def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
+                beam_size: int, max_len: int, alpha: float, bos_id: int,
+                eos_id: int, pad_id: int, n_best: int = 1,
+                on_step: Callable[[BeamState], None] | None = None
+                ) -> BeamSearchResult:
+  """Beam search with a live and a finished pool, all in one lax.while_loop.
+
+  Each step extends every live hypothesis by every token and keeps the top
+  2 * beam_size candidates, so that hypotheses ending in eos never starve the
+  live pool: the best beam_size candidates without eos stay live, and the eos
+  candidates among the best beam_size enter the finished pool with score
+  log p / length_penalty(length). On the last step the live hypotheses enter
+  the finished pool too, flagged `reached_eos=False`, with the same scoring.
+  An item is done once no live hypothesis can still beat its worst finished
+  one (see `_cannot_improve`); the loop stops when every item of the batch is
+  done (or at max_len), so a batch runs as long as its slowest item.
+
+  The search is three calls, start -> run -> result; a caller that wants the
+  items that are done to leave on the way runs it in stages instead
+  (`run_beam_search` with `until_searching`, then `take_items`).
+
+  Args:
+    tokens_to_logits: (int32[batch * beam, 1] last tokens, cache) ->
+      (float[batch * beam, vocab] logits, new cache); rows are the beams of
+      each item, consecutive. log_softmax runs in float32 here whatever the
+      model's dtype.
+    cache: the decoder state for [batch, ...]; expanded over beams here
+      (scalar leaves are shared by all beams).
+    batch_size: number of batch items.
+    beam_size: hypotheses kept per item.
+    max_len: generated positions at most.
+    alpha: length-penalty exponent (0 = raw log-probabilities).
+    bos_id, eos_id, pad_id: first input token, end token, filler after eos.
+    n_best: how many finished hypotheses to return per item (<= beam_size).
+    on_step: for watching the search, e.g. in the notebook: called on the
+      host (jax.debug.callback) after every step with that step's BeamState
+      (its cache left out). None costs nothing.
+
+  Returns:
+    A BeamSearchResult with [batch, n_best, ...] fields, best first.
+  """
+  if not 1 <= n_best <= beam_size:
+    raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
+  state = start_beam_search(cache, batch_size=batch_size, beam_size=beam_size,
+                            max_len=max_len, bos_id=bos_id, pad_id=pad_id)
+  state = run_beam_search(tokens_to_logits, state, alpha=alpha, bos_id=bos_id,
+                          eos_id=eos_id, pad_id=pad_id, on_step=on_step)
+  return beam_search_result(state, n_best)
+
+
+def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
+                      bos_id: int, pad_id: int) -> BeamState:
+  """The state before the first step: bos in every sequence, pools empty.
+
+  cache: the decoder state for [batch, ...], expanded over beams here.
+  The state's sequences are int32[batch, beams, max_len + 1].
+  """
+  batch, beams = batch_size, beam_size
+  # Column 0 holds bos; step i reads column i and writes column i + 1.
+  sequences = jnp.full((batch, beams, max_len + 1), pad_id, jnp.int32)
+  sequences = sequences.at[:, :, 0].set(bos_id)
+  # Only beam 0 is alive at first, so the first step does not pick the same
+  # token in every beam.
+  live_log_probs = jnp.tile(
+      jnp.array([0.0] + [-jnp.inf] * (beams - 1), jnp.float32), (batch, 1))
+  return BeamState(
+      step=jnp.asarray(0, jnp.int32),
+      live_sequences=sequences,
+      live_log_probs=live_log_probs,
+      finished_sequences=sequences,
+      finished_scores=jnp.full((batch, beams), -jnp.inf),
+      finished_lengths=jnp.zeros((batch, beams), jnp.int32),
+      finished_eos=jnp.zeros((batch, beams), bool),
+      done=jnp.zeros((batch,), bool),
+      cache=_map_beam_rows(lambda leaf: expand_to_beams(leaf, beams), cache),
+      max_len=max_len)
+
+
+def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
+                    alpha: float, bos_id: int, eos_id: int, pad_id: int,
+                    until_searching: int = 0,
+                    on_step: Callable[[BeamState], None] | None = None
+                    ) -> BeamState:
+  """Beam search steps from `state` until no item is still searching.
+
+  Stops at state.max_len, or once at most `until_searching` items are still
+  searching (not done; 0, the default: the whole search). A caller that
+  stops early can keep the items still searching (`take_items`, with the
+  tokens_to_logits of those items) and run on with fewer rows, so that items
+  that end early stop paying for the slowest one; each item's search never
+  looks at another's, so its result is the same either way.
+
+  Returns the BeamState after the last step taken.
+  """
+  batch, beams = state.live_log_probs.shape
+  max_len = state.max_len
+
+  def keep_going(state: BeamState):
+    return (state.step < max_len) & (jnp.sum(~state.done) > until_searching)
+
+  def one_step(state: BeamState) -> BeamState:
+    step = state.step
+    length = step + 1  # generated tokens after this step, eos included
+    # --> [batch * beams, 1]: the last token of every live hypothesis
+    last = jax.lax.dynamic_slice_in_dim(state.live_sequences, step, 1, axis=2)
+    logits, cache = tokens_to_logits(last.reshape(batch * beams, 1),
+                                     state.cache)
+    vocab = logits.shape[-1]
+    log_probs = _forbid(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                        [pad_id, bos_id])
+    # --> [batch, beams, vocab]: log p of every one-token extension
+    candidates = (state.live_log_probs[:, :, None] +
+                  log_probs.reshape(batch, beams, vocab))
+    # --> [batch, 2 * beams]: the best candidates over all beams at once
+    top_log_probs, top_indices = jax.lax.top_k(
+        candidates.reshape(batch, beams * vocab), 2 * beams)
+    top_beams = top_indices // vocab
+    top_tokens = (top_indices % vocab).astype(jnp.int32)
+    # --> [batch, 2 * beams, max_len + 1]: their sequences, new token written
+    top_sequences = jax.lax.dynamic_update_slice(
+        _gather_beams(state.live_sequences, top_beams),
+        top_tokens[:, :, None], (0, 0, step + 1))
+    is_eos = top_tokens == eos_id
+
+    # The live pool: the best `beams` candidates that did not just end.
+    # --> [batch, beams]
+    live_log_probs, live_picks = jax.lax.top_k(
+        jnp.where(is_eos, -jnp.inf, top_log_probs), beams)
+    live_sequences = _gather_beams(top_sequences, live_picks)
+    cache = _gather_cache(cache, _gather_beams(top_beams, live_picks))
+
+    # The finished pool: its old members, the eos candidates that made the
+    # top `beams`, and on the last step every live hypothesis (no eos).
+    made_beam = jnp.arange(2 * beams) < beams
+    eos_scores = jnp.where(is_eos & made_beam, top_log_probs, -jnp.inf
+                          ) / length_penalty(length, alpha)
+    last_step = length == max_len
+    cut_scores = jnp.where(last_step, live_log_probs, -jnp.inf
+                          ) / length_penalty(length, alpha)
+    # --> [batch, 4 * beams]: everything that may be finished now
+    pool_scores = jnp.concatenate(
+        [state.finished_scores, eos_scores, cut_scores], axis=1)
+    pool_sequences = jnp.concatenate(
+        [state.finished_sequences, top_sequences, live_sequences], axis=1)
+    pool_lengths = jnp.concatenate(
+        [state.finished_lengths,
+         jnp.full((batch, 3 * beams), length, jnp.int32)], axis=1)
+    pool_eos = jnp.concatenate(
+        [state.finished_eos, jnp.ones((batch, 2 * beams), bool),
+         jnp.zeros((batch, beams), bool)], axis=1)
+    # --> [batch, beams]: the best of them, best first
+    finished_scores, finished_picks = jax.lax.top_k(pool_scores, beams)
+    new_state = state.replace(
+        step=step + 1,
+        live_sequences=live_sequences,
+        live_log_probs=live_log_probs,
+        finished_sequences=_gather_beams(pool_sequences, finished_picks),
+        finished_scores=finished_scores,
+        finished_lengths=_gather_beams(pool_lengths, finished_picks),
+        finished_eos=_gather_beams(pool_eos, finished_picks),
+        done=_cannot_improve(live_log_probs[:, 0], finished_scores[:, -1],
+                             length, max_len, alpha),
+        cache=cache)
+    if on_step is not None:
+      jax.debug.callback(on_step, new_state.replace(cache=None), ordered=True)
+    return new_state
+
+  return jax.lax.while_loop(keep_going, one_step, state)
+
+
+def take_items(state: BeamState, items) -> BeamState:
+  """The search of batch items `items` (int32[k]) alone: [k, ...] fields.
+
+  The cache keeps those items' beam rows; all items are at the same step.
+  """
+  beams = state.live_log_probs.shape[1]
+
+  def take(leaf):
+    by_item = leaf.reshape((-1, beams) + leaf.shape[1:])
+    return by_item[items].reshape((-1,) + leaf.shape[1:])
+
+  cache = _map_beam_rows(take, state.cache)
+  return jax.tree.map(lambda leaf: leaf if leaf.ndim == 0 else leaf[items],
+                      state.replace(cache=None)).replace(cache=cache)
+
+
+def beam_search_result(state: BeamState, n_best: int = 1) -> BeamSearchResult:
+  """The n_best finished hypotheses of each item, best first (see beam_search)."""
+  return BeamSearchResult(
+      sequences=state.finished_sequences[:, :n_best, 1:],
+      scores=state.finished_scores[:, :n_best],
+      lengths=state.finished_lengths[:, :n_best],
+      reached_eos=state.finished_eos[:, :n_best])
+
+
+def _cannot_improve(best_live_log_prob, worst_finished_score, length,
+                    max_len: int, alpha: float):
+  """True where no live hypothesis can still beat the worst finished one.
+
+  A live hypothesis of log-probability x <= 0 can only lose probability, and
+  will end with some length L in [length + 1, max_len]. Its best possible score
+  is max_L x / lp(L) = x / max_L lp(L), and lp is monotonic in L, so the max is
+  at one of the two ends: L = max_len for alpha >= 0, L = length + 1 for
+  alpha < 0. With an empty finished slot (score -inf) this is False unless no
+  live hypothesis is left either.
+
+  best_live_log_prob, worst_finished_score: float32[batch] -> bool[batch].
+  """
+  largest_penalty = jnp.maximum(length_penalty(length + 1, alpha),
+                                length_penalty(max_len, alpha))
+  return worst_finished_score >= best_live_log_prob / largest_penalty
