@@ -18,19 +18,12 @@ import typing
 
 _START = time.perf_counter()
 
-from flaxformer_mini import compilation_cache  # pylint: disable=g-import-not-at-top
+from flaxformer_mini import cli, compilation_cache  # pylint: disable=g-import-not-at-top
 from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not-at-top
 
 TASKS = ('copy', 'translate')
 # Each task's own preset, where --config is not given.
 TASK_PRESETS = {'copy': 'copy', 'translate': 'multi30k'}
-
-
-class OneLineParser(argparse.ArgumentParser):
-  """argparse, but an error is one line naming the flag (no usage block)."""
-
-  def error(self, message):
-    self.exit(2, f'{self.prog}: error: {message}\n')
 
 
 def _field_types() -> dict[str, type]:
@@ -49,8 +42,8 @@ def _field_help(field: dataclasses.Field) -> str:
           (f' ({differing})' if differing else ''))
 
 
-def build_parser() -> OneLineParser:
-  parser = OneLineParser(
+def build_parser() -> cli.OneLineParser:
+  parser = cli.OneLineParser(
       prog='train.py', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--task', choices=TASKS, required=True,
@@ -197,11 +190,11 @@ def main(argv: list[str]) -> None:
     path = args.workdir or os.path.join('runs', args.task)
     # Each task imports only what it needs: the copy task runs without TFDS.
     if args.task == 'copy':
-      from flaxformer_mini.tasks import copy
-      copy.run(config, path, args.fresh, _START)
+      from flaxformer_mini.tasks import train_copy
+      train_copy.run(config, path, args.fresh, _START)
     else:
-      from flaxformer_mini.tasks import translate
-      translate.run(config, path, args.data_dir, args.dataset, args.tfds_dir,
+      from flaxformer_mini.tasks import train_translation
+      train_translation.run(config, path, args.data_dir, args.dataset, args.tfds_dir,
                     args.fresh, _START)
   except config_lib.ConfigError as e:
     build_parser().error(f'--{e}')

@@ -27,7 +27,7 @@ import time
 
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.parallel import DataParallel
-from flaxformer_mini.tasks import copy
+from flaxformer_mini.tasks import train_copy
 
 import common
 
@@ -38,12 +38,12 @@ def miscopied(workdir: str, draws: int) -> int:
   """Sequences the run's final parameters miscopy in `draws` unseen draws."""
   run = workdir_lib.load_run(workdir)
   config, params = run.config, run.params
-  decode_fn = copy.greedy_copier(config)
+  decode_fn = train_copy.greedy_copier(config)
   parallel = DataParallel(config, config.parallel)
   wrong = 0
   for draw in range(config.train_steps + 1, config.train_steps + 1 + draws):
-    match, _, _ = copy.exact_match(params, config, decode_fn, draw, parallel)
-    wrong += round((1 - match) * copy.EVAL_SEQUENCES)
+    match, _, _ = train_copy.exact_match(params, config, decode_fn, draw, parallel)
+    wrong += round((1 - match) * train_copy.EVAL_SEQUENCES)
   return wrong
 
 
@@ -66,7 +66,7 @@ def run_once(seed: int, extra_draws: int, train_flags: list[str]) -> dict:
            'steps': results['steps'], 'exact_match': results['exact_match']}
     if extra_draws:
       run['miscopied'] = miscopied(workdir, extra_draws)
-      run['extra_sequences'] = extra_draws * copy.EVAL_SEQUENCES
+      run['extra_sequences'] = extra_draws * train_copy.EVAL_SEQUENCES
   return run
 
 

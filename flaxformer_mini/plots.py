@@ -7,14 +7,13 @@ notebooks (display the returned figure).
     python -m flaxformer_mini.plots --workdir runs/copy   # -> runs/copy/curves.png
 """
 
-import argparse
 import os
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 import numpy as np
 
-from flaxformer_mini import logbook, tour
+from flaxformer_mini import cli, logbook, tour
 from flaxformer_mini.workdir import BLEU_CURVE, CURVES, METRICS
 # Evaluation numbers worth a panel of their own (and its title), in order.
 _EVAL_SCORES = {'exact_match': 'exact match (fresh sequences)',
@@ -173,13 +172,16 @@ def model_attention(config, params, batch, source_labels: list[str],
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(
+  parser = cli.OneLineParser(
       prog='python -m flaxformer_mini.plots',
-      description='Draw WORKDIR/curves.png from a run\'s metrics.jsonl.')
+      description=f"Draw WORKDIR/{CURVES} from a run's {METRICS}.")
   parser.add_argument('--workdir', required=True)
   parser.add_argument('--title')
   args = parser.parse_args(argv)
-  print(training_curves(args.workdir, args.title))
+  try:
+    print(training_curves(args.workdir, args.title))
+  except ValueError as e:
+    parser.error(str(e))
 
 
 if __name__ == '__main__':

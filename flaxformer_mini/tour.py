@@ -12,13 +12,13 @@ lost in.
     python train.py --task=copy --config=toy --tour        # the same table
 """
 
-import argparse
 import dataclasses
 
 import flax.traverse_util
 import jax
 import numpy as np
 
+from flaxformer_mini import cli
 from flaxformer_mini import config as config_lib
 from flaxformer_mini import workdir
 from flaxformer_mini.checkpoints import CheckpointError
@@ -171,7 +171,7 @@ def print_tour(config: TransformerConfig, params=None,
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(
+  parser = cli.OneLineParser(
       prog='python -m flaxformer_mini.tour',
       description='Print every named tensor of one forward pass of the '
       'Transformer on the walkthrough batch (2 pairs, source length 3, '

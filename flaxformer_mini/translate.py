@@ -11,12 +11,10 @@ beam-searched; line i of the output always answers line i of the input, and
 an empty input line gives an empty output line.
 """
 
-import argparse
-import math
 import os
 import sys
 
-from flaxformer_mini import compilation_cache
+from flaxformer_mini import cli, compilation_cache
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import CheckpointError
 from flaxformer_mini.data import DataError
@@ -41,38 +39,19 @@ def split_lines(data: bytes, source: str) -> list[str]:
   return [line.removesuffix('\r') for line in lines]
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'{value}: must be at least 1')
-  return value
-
-
-def _finite_float(text: str) -> float:
-  value = float(text)
-  if not math.isfinite(value):
-    raise argparse.ArgumentTypeError(f'{text}: must be a finite number')
-  return value
-
-
-class _OneLineParser(argparse.ArgumentParser):
-  def error(self, message):
-    self.exit(2, f'{self.prog}: error: {message}\n')
-
-
 def main(argv: list[str]) -> None:
-  parser = _OneLineParser(prog='python -m flaxformer_mini.translate',
+  parser = cli.OneLineParser(prog='python -m flaxformer_mini.translate',
                           description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', required=True)
   parser.add_argument('--input', help='a UTF-8 text file (default: stdin).')
   parser.add_argument('--params', choices=['best', 'latest', 'averaged'],
                       default='best', help="the run's choice (default), its "
                       'latest checkpoint, or its averaged parameters.')
-  parser.add_argument('--beam_size', type=_positive_int, default=4)
-  parser.add_argument('--alpha', type=_finite_float,
+  parser.add_argument('--beam_size', type=cli.positive_int, default=4)
+  parser.add_argument('--alpha', type=cli.finite_float,
                       help="length-penalty exponent (default: the run's "
                       'eval_alpha, the one its scores were decoded with).')
-  parser.add_argument('--batch_size', type=_positive_int, default=64,
+  parser.add_argument('--batch_size', type=cli.positive_int, default=64,
                       help='sentences per search.')
   compilation_cache.add_flag(parser)
   args = parser.parse_args(argv)

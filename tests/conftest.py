@@ -32,7 +32,7 @@ from flaxformer_mini import loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.parallel import DataParallel
-from flaxformer_mini.tasks import copy
+from flaxformer_mini.tasks import train_copy
 from flaxformer_mini.training import create_train_state, init_params
 
 
@@ -101,9 +101,9 @@ def tiny_translation_flags(**changes) -> list[str]:
 @pytest.fixture(scope='session')
 def tiny_run(data_slice, tmp_path_factory):
   """A finished tiny translation run on data_slice: (workdir, results)."""
-  from flaxformer_mini.tasks import translate  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini.tasks import train_translation  # pylint: disable=g-import-not-at-top
   workdir = tmp_path_factory.mktemp('translate')
-  results = translate.run(tiny_translation_config(), str(workdir),
+  results = train_translation.run(tiny_translation_config(), str(workdir),
                           data_dir=str(data_slice))
   return workdir, results
 
@@ -150,17 +150,17 @@ def _train_copy_model(cfg):
   decoded)).
   """
   init_rng, dropout_rng = jax.random.split(jax.random.key(cfg.seed))
-  decode_fn = copy.greedy_copier(cfg)
+  decode_fn = train_copy.greedy_copier(cfg)
   draws = iter(range(1, 1000))
   parallel = DataParallel(cfg)
   state, history = loop.train(
       cfg, create_train_state(cfg, init_rng), dropout_rng,
       functools.partial(copy_task.train_batch, cfg),
-      lambda s: _score_and_stop(copy.exact_match(
+      lambda s: _score_and_stop(train_copy.exact_match(
           s.params, cfg, decode_fn, next(draws), parallel)[0]),
       parallel)
   return state, history, functools.partial(
-      copy.exact_match, config=cfg, decode_fn=decode_fn, parallel=parallel)
+      train_copy.exact_match, config=cfg, decode_fn=decode_fn, parallel=parallel)
 
 
 @pytest.fixture(scope='session')

@@ -163,7 +163,7 @@ def test_levers_refuses_an_unknown_lever_before_measuring():
 
 def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
   workdir, _ = tiny_run
-  result = _benchmark('translate.py', f'--workdir={workdir}',
+  result = _benchmark('translate_command.py', f'--workdir={workdir}',
                       f'--data_dir={data_slice}', '--beam=2', '--batch_size=8',
                       '--repeats=1', '--no_baseline')
   command = result['command']

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from flaxformer_mini import config as config_lib
-from flaxformer_mini.tasks import copy, translate
+from flaxformer_mini.tasks import train_copy, train_translation
 
 
 def test_presets_match_the_paper_and_the_walkthrough():
@@ -54,19 +54,19 @@ def test_task_fields_are_checked_by_their_task_only():
   # needs room for copy_length + 2, and only translation two languages.
   short = config_lib.TransformerConfig(max_len=8, tgt_lang='de')
   with pytest.raises(config_lib.ConfigError, match=r'^copy_length=10'):
-    copy.check_config(short)
+    train_copy.check_config(short)
   with pytest.raises(config_lib.ConfigError, match=r'^src_lang=de: the same'):
-    translate.check_config(short)
+    train_translation.check_config(short)
   with pytest.raises(config_lib.ConfigError, match=r'^src_vocab_size=3:'):
-    copy.check_config(config_lib.get_config('copy').replace(
+    train_copy.check_config(config_lib.get_config('copy').replace(
         src_vocab_size=3, tgt_vocab_size=3, label_smoothing=0.0))
   with pytest.raises(config_lib.ConfigError,
                      match=r'^tokens_per_batch=100: holds no batch'):
-    translate.check_config(config_lib.get_config('translate').replace(
+    train_translation.check_config(config_lib.get_config('translate').replace(
         tokens_per_batch=100))
   with pytest.raises(config_lib.ConfigError,
                      match=r'^average_last=9: the run keeps only'):
-    translate.check_config(config_lib.get_config('translate').replace(
+    train_translation.check_config(config_lib.get_config('translate').replace(
         average_last=9))
 
 

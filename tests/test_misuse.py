@@ -27,8 +27,7 @@ from flaxformer_mini import checkpoints, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import DataError, parallel_text
 from flaxformer_mini.data import tokenizer as spm_lib
-from flaxformer_mini.tasks import copy
-from flaxformer_mini.tasks import translate as translate_task
+from flaxformer_mini.tasks import train_copy, train_translation
 from flaxformer_mini.training import init_params
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir, WorkdirError
@@ -67,7 +66,7 @@ def _toy_copy_run(workdir, **changes) -> dict:
   config = get_config('toy').replace(train_steps=10, log_every=5,
                                      checkpoint_every=5, eval_every=100_000,
                                      **changes)
-  return copy.run(config, str(workdir))
+  return train_copy.run(config, str(workdir))
 
 
 @pytest.fixture(scope='module')
@@ -214,7 +213,7 @@ def test_a_signal_during_the_final_evaluation_exits_cleanly(tmp_path,
                                                            monkeypatch):
   # [x: SIGTERM after training] The run's last checkpoint is on disk; the
   # signal ends the final evaluation with the clean message.
-  evaluate = copy.exact_match
+  evaluate = train_copy.exact_match
 
   def terminated_during_the_final_draw(params, config, decode_fn, draw,
                                        parallel):
@@ -223,7 +222,7 @@ def test_a_signal_during_the_final_evaluation_exits_cleanly(tmp_path,
       time.sleep(1)  # the handler runs here
     return evaluate(params, config, decode_fn, draw, parallel)
 
-  monkeypatch.setattr(copy, 'exact_match', terminated_during_the_final_draw)
+  monkeypatch.setattr(train_copy, 'exact_match', terminated_during_the_final_draw)
   with pytest.raises(loop.Interrupted, match='interrupted by SIGTERM during '
                      'the final evaluation: checkpoint saved at .*10'):
     _toy_copy_run(tmp_path)
@@ -450,16 +449,16 @@ def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
   _write(other / 'train.de.gz', ['ein anderer Satz'] * 300 + ['', 'x'])
   workdir = tmp_path / 'run'
   with Workdir(str(workdir)) as held:
-    texts, _ = translate_task.prepare(config, held, str(data_slice), None,
+    texts, _ = train_translation.prepare(config, held, str(data_slice), None,
                                       None, fresh=False)
     first = held.read_json(workdir_lib.PREPARED)
     with pytest.raises(WorkdirError, match="the data's contents"):
-      translate_task.prepare(config, held, str(other), None, None, False)
+      train_translation.prepare(config, held, str(other), None, None, False)
     with pytest.raises(WorkdirError, match='vocab_size: 300 -> 400'):
-      translate_task.prepare(config.replace(src_vocab_size=400,
+      train_translation.prepare(config.replace(src_vocab_size=400,
                                             tgt_vocab_size=400), held,
                              str(data_slice), None, None, False)
-    again, _ = translate_task.prepare(config, held, str(other), None, None,
+    again, _ = train_translation.prepare(config, held, str(other), None, None,
                                       fresh=True)
   assert again['train'][0][0] == 'ein anderer Satz'  # the new data, not stale
   assert texts['train'][0][0] != again['train'][0][0]

@@ -18,7 +18,7 @@ def random_sequences(config: TransformerConfig, batch_size: int,
                      seed_words: tuple[int, ...]) -> np.ndarray:
   """Random ordinary tokens: -> int32[batch_size, copy_length].
 
-  The config must have ordinary ids (tasks.copy.check_config checks it).
+  The config must have ordinary ids (tasks.train_copy.check_config checks it).
   """
   low = config.first_ordinary_id
   high = min(config.src_vocab_size, config.tgt_vocab_size)

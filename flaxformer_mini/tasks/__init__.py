@@ -1,1 +1,2 @@
-"""What train.py trains: `copy` (the one-minute wiring check) and `translate`."""
+"""What train.py trains: `train_copy` (--task=copy, the one-minute wiring
+check) and `train_translation` (--task=translate)."""

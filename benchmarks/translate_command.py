@@ -1,6 +1,6 @@
 """The translate command's speed where users feel it: a test set, beam 4.
 
-  python benchmarks/translate.py --workdir runs/multi30k-en-de \
+  python benchmarks/translate_command.py --workdir runs/multi30k-en-de \
       --data_dir ../shared/data/multi30k
 
 With a trained workdir: its model translates the test split's source lines

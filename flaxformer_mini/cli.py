@@ -1,0 +1,32 @@
+"""What the project's commands share: argparse whose errors are one line.
+
+train.py, the translate command and the tour refuse a bad flag with one line
+that names it (`train.py: error: --beam_size: 0: must be at least 1`), never a
+usage block or a traceback.
+"""
+
+import argparse
+import math
+
+
+class OneLineParser(argparse.ArgumentParser):
+  """argparse, but an error is one line naming the flag (no usage block)."""
+
+  def error(self, message):
+    self.exit(2, f'{self.prog}: error: {message}\n')
+
+
+def positive_int(text: str) -> int:
+  """An argparse type: an integer of at least 1."""
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{value}: must be at least 1')
+  return value
+
+
+def finite_float(text: str) -> float:
+  """An argparse type: a number that is neither nan nor infinite."""
+  value = float(text)
+  if not math.isfinite(value):
+    raise argparse.ArgumentTypeError(f'{text}: must be a finite number')
+  return value
