@@ -39,7 +39,7 @@ def miscopied(workdir: str, draws: int) -> int:
   run = workdir_lib.load_run(workdir)
   config, params = run.config, run.params
   decode_fn = train_copy.greedy_copier(config)
-  parallel = DataParallel(config, config.parallel)
+  parallel = DataParallel(config)
   wrong = 0
   for draw in range(config.train_steps + 1, config.train_steps + 1 + draws):
     match, _, _ = train_copy.exact_match(params, config, decode_fn, draw, parallel)

@@ -238,9 +238,9 @@ def _copy_training_loop(steps: int, wait: str):
   'block' (the step waited for; metrics fetched at the end).
   """
   config = get_config('copy')
-  parallel = DataParallel(config, config.parallel)
+  parallel = DataParallel(config)
   rng = jax.random.key(1)
-  first = parallel.put_state(create_train_state(config, jax.random.key(0)))
+  first = parallel.replicate(create_train_state(config, jax.random.key(0)))
 
   def run():
     state = jax.tree.map(jnp.copy, first)  # the step donates what it gets
@@ -249,12 +249,12 @@ def _copy_training_loop(steps: int, wait: str):
       state, metrics = parallel.train_step(
           state, parallel.put_batch(copy_task.train_batch(config, step)), rng)
       if wait == 'fetch':
-        metrics = parallel.fetch(metrics)
+        metrics = parallel.to_host(metrics)
       elif wait == 'block':
         jax.block_until_ready(state)
       pending.append(metrics)
     if wait != 'fetch':
-      pending = [parallel.fetch(m) for m in pending]
+      pending = [parallel.to_host(m) for m in pending]
     jax.block_until_ready(state)
   return run
 
@@ -307,8 +307,8 @@ def bounded_shapes(data_dir: str) -> dict:
   own = [(len(group), int(lengths[group].max()))
          for group in np.array_split(order, range(rows, len(order), rows))]
 
-  parallel = DataParallel(config, config.parallel)
-  state = parallel.put_state(create_train_state(config, jax.random.key(0)))
+  parallel = DataParallel(config)
+  state = parallel.replicate(create_train_state(config, jax.random.key(0)))
   compile_s = []
   for length in sorted(bucketed)[::max(1, len(bucketed) // 2)][:3]:
     batch = parallel.put_batch(buckets.make(bucketed[length], length,

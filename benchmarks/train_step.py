@@ -116,10 +116,10 @@ def _baseline(config, host_batches, init_rng, dropout_rng) -> dict:
 def measure(config, batch: int, length: int, pad: str, steps: int,
             peak_gflops: float, baseline: bool) -> dict:
   """Our step (and the baselines'), interleaved; medians of `steps` steps."""
-  parallel = DataParallel(config, config.parallel)
+  parallel = DataParallel(config)
   init_rng, dropout_rng = jax.random.split(jax.random.key(0))
   host_batches = synthetic_batches(config, batch, length, pad)
-  state = parallel.put_state(create_train_state(config, init_rng))
+  state = parallel.replicate(create_train_state(config, init_rng))
   batches = [parallel.put_batch(b) for b in host_batches]
   step, compile_s = compile_timed(parallel.train_step, state, batches[0],
                                   dropout_rng)

@@ -37,12 +37,12 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.training import TrainState, init_params
 
 # Fields that may change between a run and its resumption: how long (and so
-# where the learning rate cools down) and how often to log, evaluate and
-# save, and how the step is mapped over devices.
+# where the learning rate cools down), how often to log, evaluate and save,
+# and how the products are computed (the same values).
 RESUMABLE_FIELDS = frozenset({
     'train_steps', 'cooldown_steps', 'max_train_minutes', 'log_every',
-    'eval_every', 'checkpoint_every', 'keep_checkpoints', 'parallel',
-    'cpu_kernels', 'average_last'})
+    'eval_every', 'checkpoint_every', 'keep_checkpoints', 'cpu_kernels',
+    'average_last'})
 
 
 class _QuietOrbax(logging.Filter):

@@ -12,9 +12,8 @@ import math
 
 
 DTYPES = ('float32', 'bfloat16')
-PARALLEL_MODES = ('shard_map', 'pmap')
 # The string fields and what each may be.
-CHOICES = {'dtype': DTYPES, 'parallel': PARALLEL_MODES}
+CHOICES = {'dtype': DTYPES}
 
 
 class ConfigError(ValueError):
@@ -87,7 +86,6 @@ class TransformerConfig:
   # better on validation.
   average_last: int = 0
   seed: int = 0
-  parallel: str = 'shard_map'  # how the step is mapped over the devices
 
   # The copy task (source == target, random tokens drawn after the special ids).
   copy_length: int = 10

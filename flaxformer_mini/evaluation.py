@@ -12,13 +12,13 @@ def held_out_loss(parallel: DataParallel, placed_params,
                   batches: list[Batch]) -> dict:
   """Mean loss per real target token over `batches`, and its perplexity.
 
-  placed_params: the parameters as `parallel.put_state` placed them. Uses the
+  placed_params: the parameters as `parallel.replicate` placed them. Uses the
   data-parallel eval_step: metric sums over every device, added up exactly
   over the batches. Returns {'loss', 'perplexity', 'accuracy', 'tokens'}.
   """
   sums = {'loss_sum': 0.0, 'ntokens': 0, 'correct': 0}
   for batch in batches:
-    metrics = parallel.fetch(parallel.eval_step(placed_params,
+    metrics = parallel.to_host(parallel.eval_step(placed_params,
                                                 parallel.put_batch(batch)))
     for key in sums:
       sums[key] += metrics[key]

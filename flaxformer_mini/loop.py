@@ -3,9 +3,10 @@
 The loop keeps each step's metrics on the device and fetches them every
 `log_every` steps, so the host never waits for the device between two logs.
 It saves a checkpoint every `checkpoint_every` steps, at every evaluation and
-at the end; turns SIGINT / SIGTERM into a last checkpoint and a clean exit;
-and never saves a state that is not finite: the losses since the last fetch
-and the state itself are checked before every save.
+at the end; stops within --max_train_minutes, checked at every log and at
+least every few seconds; turns SIGINT / SIGTERM into a last checkpoint and a
+clean exit; and never saves a state that is not finite: the losses since the
+last fetch and the state itself are checked before every save.
 """
 
 import contextlib
@@ -20,13 +21,13 @@ import numpy as np
 import tqdm
 
 from flaxformer_mini import logbook, plots
+from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
                                          config_differences)
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import TrainState, create_train_state
-from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir
 
 _SUMMED = ('loss_sum', 'ntokens', 'correct')
@@ -108,6 +109,112 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+# The time budget is checked at every log and, between logs, at least this
+# often: each check waits for the device to finish the steps dispatched, so
+# that the clock measures work done, not work queued.
+BUDGET_CHECK_SECONDS = 2.0
+
+
+class _Steps:
+  """The state on the devices, and what the loop knows of it.
+
+  Each step's metrics stay on the device until a log, a save or an
+  evaluation fetches them, so the host never waits for the device between
+  two of those; every fetched loss is checked, and a state is checked before
+  it is saved or evaluated.
+  """
+
+  def __init__(self, config: TransformerConfig, state: TrainState, rng,
+               parallel: DataParallel, checkpoints: Checkpoints | None):
+    self.config, self.rng = config, rng
+    self.parallel, self.checkpoints = parallel, checkpoints
+    self.placed = parallel.replicate(state)
+    self.done = int(state.step)  # steps taken (dispatched)
+    self.last_saved = checkpoints.latest_step() if checkpoints else None
+    self._unfetched = []  # metrics of the latest steps, on the device
+    self._window = []     # fetched metrics since the last log, on the host
+
+  def take(self, batch: Batch) -> None:
+    """Dispatches one training step (the device may still be running it)."""
+    self.placed, metrics = self.parallel.train_step(
+        self.placed, self.parallel.put_batch(batch), self.rng)
+    self._unfetched.append(metrics)
+    self.done += 1
+
+  def check_losses(self) -> None:
+    """Fetches the metrics not yet fetched; NonFinite at a non-finite loss."""
+    first = self.done - len(self._unfetched) + 1
+    for offset, metrics in enumerate(self._unfetched):
+      metrics = self.parallel.to_host(metrics)
+      if not np.isfinite(metrics['loss_sum']):
+        raise NonFinite(f'the loss became {float(metrics["loss_sum"])}',
+                        first + offset, self.last_saved)
+      self._window.append(metrics)
+    self._unfetched = []
+
+  def check_state(self) -> None:
+    """NonFinite unless every loss so far and the state itself are finite."""
+    self.check_losses()
+    if not bool(self.parallel.to_host(_all_finite(self.placed))):
+      raise NonFinite('the parameters or optimizer state became non-finite',
+                      self.done, self.last_saved)
+
+  def window(self) -> list[dict]:
+    """The metrics of every step since the last call, on the host."""
+    self.check_losses()
+    window, self._window = self._window, []
+    return window
+
+  def wait(self) -> None:
+    """Returns once the device has finished every step dispatched."""
+    jax.block_until_ready(self._unfetched[-1:])
+
+  def save(self, score: float | None = None) -> None:
+    """Saves the state (never a non-finite one), unless this step is saved."""
+    if self.checkpoints is not None and self.last_saved != self.done:
+      self.check_state()
+      self.checkpoints.save(self.done, self.placed, self.rng, self.config,
+                            score)
+      self.last_saved = self.done
+
+
+class _Budget:
+  """--max_train_minutes: stop at the last check the budget reaches.
+
+  Each check judges the next interval by the one just finished (steps and
+  any evaluation): training stops when it would pass the budget.
+  """
+
+  def __init__(self, minutes: float, started: float):
+    self.deadline = minutes * 60 or float('inf')
+    self.started = self.last_check = started
+
+  def due(self, now: float) -> bool:
+    """Whether a check is due between logs."""
+    return (self.deadline < float('inf') and
+            now - self.last_check >= BUDGET_CHECK_SECONDS)
+
+  def ends_before_next(self, now: float) -> bool:
+    """Checks at `now`, once the device has caught up: stop now?"""
+    ends = now - self.started + (now - self.last_check) > self.deadline
+    self.last_check = now
+    return ends
+
+
+def _log_record(window: list[dict], seconds: float, minutes: float,
+                step: int) -> dict:
+  """The record of one log: the window's per-token loss and accuracy, the
+  last learning rate, target tokens/s over `seconds`, minutes since the start."""
+  sums = {k: sum(m[k] for m in window) for k in _SUMMED}
+  tokens = max(sums['ntokens'], 1)
+  return {'step': step,
+          'loss': float(sums['loss_sum'] / tokens),
+          'accuracy': float(sums['correct'] / tokens),
+          'learning_rate': float(window[-1]['learning_rate']),
+          'target_tokens_per_s': float(sums['ntokens'] / seconds),
+          'minutes': minutes}
+
+
 def train(config: TransformerConfig, state: TrainState, rng,
           batch_at: Callable[[int], Batch], evaluate: Evaluate | None = None,
           parallel: DataParallel | None = None,
@@ -123,8 +230,7 @@ def train(config: TransformerConfig, state: TrainState, rng,
     batch_at: step -> this process's rows of the Batch of that step.
     evaluate: called every `eval_every` steps with one ordinary copy of the
       state; its score is saved with the checkpoint, and it may stop training.
-    parallel: how the step is mapped over the devices (default: every
-      device, with config.parallel).
+    parallel: how the step is mapped over the devices (default: every device).
     checkpoints: where to save every `checkpoint_every` steps and at the end.
     log: where each logged record goes as well (metrics.jsonl, TensorBoard).
     signals: the run's SignalCatcher (default: one for this loop alone).
@@ -138,37 +244,11 @@ def train(config: TransformerConfig, state: TrainState, rng,
     NonFinite: at the first non-finite loss, or when the state to be saved
       (or the final one) is not finite.
   """
-  parallel = parallel or DataParallel(config, config.parallel)
-  history, pending = [], []  # pending: per-step metrics not yet fetched
-  last_saved = checkpoints.latest_step() if checkpoints else None
-  first_step = done = int(state.step)
-  placed = parallel.put_state(state)
-  window_start = started = last_check = time.perf_counter()
-  deadline = config.max_train_minutes * 60 or float('inf')
-
-  def check_pending():
-    """Fetches the pending metrics; raises at the first non-finite loss."""
-    fetched = [parallel.fetch(m) for m in pending]
-    for offset, metrics in enumerate(fetched):
-      if not np.isfinite(metrics['loss_sum']):
-        raise NonFinite(f'the loss became {float(metrics["loss_sum"])}',
-                        done - len(fetched) + offset + 1, last_saved)
-    return fetched
-
-  def check_state():
-    check_pending()
-    if not bool(parallel.fetch(_all_finite(placed))):
-      raise NonFinite('the parameters or optimizer state became non-finite',
-                      done, last_saved)
-
-  def save(step, score=None):
-    nonlocal last_saved
-    if checkpoints is not None and last_saved != step:
-      check_state()  # never save a state that is not finite
-      checkpoints.save(step, parallel.savable_state(placed), rng, config,
-                       score)
-      last_saved = step
-
+  parallel = parallel or DataParallel(config)
+  steps = _Steps(config, state, rng, parallel, checkpoints)
+  first_step, history = steps.done, []
+  window_start = started = time.perf_counter()
+  budget = _Budget(config.max_train_minutes, started)
   own_signals = signals is None
   with contextlib.ExitStack() as stack:
     if own_signals:
@@ -180,63 +260,50 @@ def train(config: TransformerConfig, state: TrainState, rng,
     if checkpoints is not None:  # before the signals stop being deferred
       stack.callback(checkpoints.wait)
     for step in range(first_step, config.train_steps):
-      placed, metrics = parallel.train_step(
-          placed, parallel.put_batch(batch_at(step)), rng)
-      pending.append(metrics)
-      done = step + 1
-      if done % config.log_every == 0 or done == config.train_steps:
-        fetched = check_pending()
-        sums = {k: sum(m[k] for m in fetched) for k in _SUMMED}
-        seconds = time.perf_counter() - window_start
-        record = {
-            'step': done,
-            'loss': float(sums['loss_sum'] / max(sums['ntokens'], 1)),
-            'accuracy': float(sums['correct'] / max(sums['ntokens'], 1)),
-            'learning_rate': float(fetched[-1]['learning_rate']),
-            'target_tokens_per_s': float(sums['ntokens'] / seconds),
-            'minutes': (time.perf_counter() - started) / 60,
-        }
+      steps.take(batch_at(step))
+      logged = (steps.done % config.log_every == 0 or
+                steps.done == config.train_steps)
+      if logged:
+        now = time.perf_counter()
+        record = _log_record(steps.window(), now - window_start,
+                             (now - started) / 60, steps.done)
         history.append(record)
         if log is not None:
           log.write('train', record)
         if len(history) == 1:
-          _warn_if_the_budget_is_short(config, done - first_step,
-                                       time.perf_counter() - started)
+          _warn_if_the_budget_is_short(config, steps.done - first_step,
+                                       now - started)
         progress.set_postfix(loss=f"{record['loss']:.4f}",
                              lr=f"{record['learning_rate']:.2e}",
                              tok_s=f"{record['target_tokens_per_s']:.0f}")
-        progress.update(done - progress.n)
-        pending, window_start = [], time.perf_counter()
+        progress.update(steps.done - progress.n)
+        window_start = time.perf_counter()
       score, stop = None, False
-      if evaluate is not None and done % config.eval_every == 0:
-        check_state()  # evaluate (and save) only a finite state
-        score, stop = evaluate(parallel.get_state(placed))
-      # The time limit is checked at log boundaries, where the host syncs:
-      # stop at the last one the budget reaches, judging the next window
-      # (steps and any evaluation) by the one just finished.
-      if not pending:
-        now = time.perf_counter()
-        if now - started + (now - last_check) > deadline:
+      if evaluate is not None and steps.done % config.eval_every == 0:
+        steps.check_state()  # evaluate (and save) only a finite state
+        score, stop = evaluate(parallel.local_copy(steps.placed))
+      if logged or budget.due(time.perf_counter()):
+        steps.wait()
+        if budget.ends_before_next(time.perf_counter()):
           tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes}'
-                          f': stopping after step {done}, as the next '
-                          f'{config.log_every} steps would pass it')
+                          f': stopping after step {steps.done}, before the '
+                          'next steps would pass it')
           stop = True
-        last_check = now
       every = config.checkpoint_every
-      if ((every and done % every == 0) or score is not None or stop or
+      if ((every and steps.done % every == 0) or score is not None or stop or
           signals.received is not None):
-        save(done, score)
+        steps.save(score)
       if signals.received is not None:
-        raise Interrupted(signals.received, f'after step {done}',
-                          checkpoints and checkpoints.step_path(done))
+        raise Interrupted(signals.received, f'after step {steps.done}',
+                          checkpoints and checkpoints.step_path(steps.done))
       if stop:
         break
-    save(done)
-    check_state()  # also where nothing is saved: never end non-finite
-  if checkpoints is not None and last_saved is not None:
-    signals.checkpoint = checkpoints.step_path(last_saved)
-  signals.when = f'after training, at step {done}'
-  return parallel.get_state(placed), history
+    steps.save()
+    steps.check_state()  # also where nothing is saved: never end non-finite
+  if checkpoints is not None and steps.last_saved is not None:
+    signals.checkpoint = checkpoints.step_path(steps.last_saved)
+  signals.when = f'after training, at step {steps.done}'
+  return parallel.local_copy(steps.placed), history
 
 
 def _warn_if_the_budget_is_short(config: TransformerConfig, steps: int,
@@ -335,4 +402,28 @@ class TrainingRun:
       self.log.close()
       if logbook.read_records(self.workdir.path).get('train'):
         plots.training_curves(self.workdir.path, title)
+
+  def results(self, task: str, state: TrainState, history: list[dict],
+              start_time: float, **outcome) -> dict:
+    """What every run's results.json holds, with the task's `outcome`."""
+    return {
+        'task': task,
+        'config': dataclasses.asdict(self.config),
+        'devices': jax.device_count(),
+        'processes': jax.process_count(),
+        'steps': int(state.step),
+        'resumed_from': self.resumed_from,
+        'final_loss': history[-1]['loss'] if history else None,
+        **outcome,
+        'checkpoints': self.checkpoints.directory,
+        'wall_seconds': time.perf_counter() - start_time,
+        'history': history,
+    }
+
+  def write_results(self, results: dict) -> str | None:
+    """Writes WORKDIR/results.json (on the first process only, the one
+    writer of a multi-host run); returns its path there."""
+    if jax.process_index() == 0:
+      return self.workdir.write_json(workdir_lib.RESULTS, results)
+    return None
 

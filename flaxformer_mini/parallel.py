@@ -1,20 +1,16 @@
 """Data parallelism: the same per-device step, wrapped from outside.
 
-The pure `train_step` / `eval_step` take an `axis_name`; here they are wrapped
-over every device along the mesh axis 'data', either by
-
-  * `shard_map` (the default): `jax.jit(jax.shard_map(step))` over a
-    `jax.sharding.Mesh`. This is JAX's recommended path: the state and the
-    batch are global `jax.Array`s, which is also what multi-host runs and
-    orbax checkpoints need; or by
-  * `pmap`: the classic TPU path (in current JAX in maintenance mode and
-    itself built on jit + shard_map), where arrays carry a leading
-    [local_devices] axis.
-
-Each device gets batch_size / num_devices rows; gradients and metric sums are
-psum-ed over 'data', so 8 devices compute the update of the same global batch
-as 1 device. In a multi-host run every process holds batch_size /
-num_processes rows of the global batch (its own shard of the data).
+The pure `train_step` / `eval_step` take an `axis_name`; here
+`jax.jit(jax.shard_map(step))` runs them on every device along the mesh axis
+'data' of a `jax.sharding.Mesh`. The state is a global `jax.Array`
+replicated over the mesh and the batch one split along 'data', which is also
+what multi-host runs and orbax checkpoints need, so nothing converts between
+them. Each device gets batch_size / num_devices rows; gradients and metric
+sums are psum-ed over 'data', so 8 devices compute the update of the same
+global batch as 1 device. In a multi-host run every process holds
+batch_size / num_processes rows of the global batch (its own shard of the
+data). The classic `jax.pmap` version of the same, for comparison, is in
+docs/parallel.md.
 """
 
 import dataclasses
@@ -28,10 +24,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from flaxformer_mini.config import (PARALLEL_MODES, ConfigError,
-                                    TransformerConfig)
+from flaxformer_mini.config import ConfigError, TransformerConfig
 from flaxformer_mini.masks import Batch
-from flaxformer_mini.training import TrainState, eval_step, train_step
+from flaxformer_mini.training import eval_step, train_step
 
 DATA_AXIS = 'data'
 
@@ -137,20 +132,14 @@ def host_rows(array):
 class DataParallel:
   """Places state and batches on every device and runs the mapped steps.
 
-  Use: `dp = DataParallel(config)`, `state = dp.put_state(state)`, then
+  Use: `dp = DataParallel(config)`, `state = dp.replicate(state)`, then
   `state, metrics = dp.train_step(state, dp.put_batch(batch), rng)`;
-  `dp.get_state(state)` gives back one ordinary copy (for evaluation), and
-  `dp.fetch(metrics)` the metrics as numpy. Metrics are global sums over
+  `dp.local_copy(state)` gives back one ordinary copy (for evaluation), and
+  `dp.to_host(metrics)` the metrics as numpy. Metrics are global sums over
   every device (and host): float32[] loss_sum, int32[] ntokens and correct,
   float32[] learning_rate.
   """
   config: TransformerConfig
-  mode: str = 'shard_map'
-
-  def __post_init__(self):
-    if self.mode not in PARALLEL_MODES:
-      raise ValueError(f'parallel mode {self.mode!r}: allowed values: '
-                       f'{", ".join(PARALLEL_MODES)}.')
 
   @functools.cached_property
   def mesh(self) -> Mesh:
@@ -179,18 +168,15 @@ class DataParallel:
 
   @functools.cached_property
   def train_step(self):
-    """(placed state, placed Batch, rng) -> (placed state, metrics).
+    """(replicated state, placed Batch, rng) -> (replicated state, metrics).
 
     The input state is donated (its buffers are reused for the output).
     """
     step = functools.partial(train_step, config=self.config,
                              axis_name=DATA_AXIS)
-    if self.mode == 'pmap':
-      return jax.pmap(step, axis_name=DATA_AXIS, in_axes=(0, 0, None),
-                      donate_argnums=0)
-    # check_vma=False keeps pmap's semantics: the step itself psums the
-    # gradients (with it, autodiff would already sum them, and the step's
-    # psum would count every device twice).
+    # check_vma=False: the step itself psums the gradients (with it, autodiff
+    # would already sum them, and the step's psum would count every device
+    # twice).
     mapped = jax.shard_map(
         self._per_device(step), mesh=self.mesh,
         in_specs=(P(), self._batch_specs, P()), out_specs=(P(), P()),
@@ -199,59 +185,16 @@ class DataParallel:
 
   @functools.cached_property
   def eval_step(self):
-    """(params as placed by put_state, placed Batch) -> metric sums (eval_step's)."""
+    """(replicated params, placed Batch) -> metric sums (eval_step's)."""
     step = functools.partial(eval_step, config=self.config,
                              axis_name=DATA_AXIS)
-    if self.mode == 'pmap':
-      return jax.pmap(step, axis_name=DATA_AXIS)
     return jax.jit(jax.shard_map(
         self._per_device(step), mesh=self.mesh,
         in_specs=(P(), self._batch_specs), out_specs=P(), check_vma=False))
 
-  def put_state(self, state):
-    """One replica of the state (or any pytree, e.g. params) on every device.
-
-    shard_map: each leaf becomes a global array replicated over the mesh;
-    pmap: each leaf [...] becomes [local_devices, ...].
-    """
-    if self.mode == 'pmap':
-      local = jax.local_device_count()
-      return jax.tree.map(
-          lambda x: np.broadcast_to(x, (local,) + np.shape(x)), state)
-    return self.replicate(state)
-
-  def get_state(self, state: TrainState) -> TrainState:
-    """One ordinary copy of a replicated state, on this process's first device."""
-    if self.mode == 'pmap':
-      return jax.tree.map(lambda x: x[0], state)
-    return jax.tree.map(lambda x: x.addressable_data(0), state)
-
-  def savable_state(self, state: TrainState) -> TrainState:
-    """The placed state as global arrays, for orbax: a pmap state's first copy."""
-    return self.get_state(state) if self.mode == 'pmap' else state
-
-  def put_batch(self, batch: Batch) -> Batch:
-    """Splits this process's rows of the global batch over the devices.
-
-    batch: a Batch whose arrays are this process's [batch / processes, ...]
-    rows (see `host_rows`) -> the same Batch as global arrays split along
-    'data' (pmap: [local_devices, rows / local_devices, ...]), ntokens as
-    int32[devices], each device's count. Raises ConfigError when the rows
-    do not divide over the devices.
-    """
-    rows = batch.src.shape[0] * jax.process_count()
-    check_divisible(rows, 'the global batch size')
-    local = jax.local_device_count()
-    counts = _shard_token_counts(batch.tgt_out, local, self.config.pad_id)
-    if self.mode == 'pmap':
-      split = lambda x: jnp.reshape(x, (local, -1) + x.shape[1:])
-      arrays = {f.name: split(getattr(batch, f.name))
-                for f in dataclasses.fields(Batch) if f.name != 'ntokens'}
-      return Batch(**arrays, ntokens=counts)
-    return jax.tree.map(self.put_rows, batch.replace(ntokens=counts))
-
   def replicate(self, tree):
-    """Any pytree of arrays [...] -> global arrays [...] replicated over the mesh."""
+    """Any pytree of arrays [...] (a state, params) -> global arrays [...]
+    replicated over the mesh: a full copy on every device."""
     replicated = self.replicated
 
     def put(leaf):
@@ -263,15 +206,31 @@ class DataParallel:
                                           lambda index: value[index])
     return jax.tree.map(put, tree)
 
+  def put_batch(self, batch: Batch) -> Batch:
+    """Splits this process's rows of the global batch over the devices.
+
+    batch: a Batch whose arrays are this process's [batch / processes, ...]
+    rows (see `host_rows`) -> the same Batch as global arrays split along
+    'data', ntokens as int32[devices], each device's count. Raises
+    ConfigError when the rows do not divide over the devices.
+    """
+    rows = batch.src.shape[0] * jax.process_count()
+    check_divisible(rows, 'the global batch size')
+    counts = _shard_token_counts(batch.tgt_out, jax.local_device_count(),
+                                 self.config.pad_id)
+    return jax.tree.map(self.put_rows, batch.replace(ntokens=counts))
+
   def put_rows(self, rows):
     """rows: [rows, ...], this process's -> [rows * processes, ...] split over 'data'."""
     return jax.make_array_from_process_local_data(
         NamedSharding(self.mesh, P(DATA_AXIS)), np.asarray(rows))
 
-  def fetch(self, tree):
-    """A pytree of replicated global values (metrics) -> numpy values on the host."""
-    if self.mode == 'pmap':
-      return jax.device_get(jax.tree.map(lambda x: x[0], tree))
+  def local_copy(self, tree):
+    """A replicated pytree -> one ordinary copy, on this process's first device."""
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+  def to_host(self, tree):
+    """A replicated pytree (metrics) -> numpy values on the host."""
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 

@@ -60,7 +60,7 @@ def train_step(state: TrainState, batch: Batch, rng,
       it, the step number and the device index, so a resumed run draws the
       same dropout masks and no two devices draw the same.
     config: static.
-    axis_name: the device axis when the step runs inside pmap / shard_map;
+    axis_name: the device axis when the step runs inside shard_map (or pmap);
       gradients and metrics are then summed over it, so the update is that of
       the global batch however it is split.
 

@@ -391,16 +391,16 @@ _WRITE_OR_READ = '''
     if action == 'write':
       state = state.replace(step=7, params=jax.tree.map(lambda x: x + 0.5,
                                                         state.params))
-      placed = parallel.put_state(state)
-      checkpoints.save(7, parallel.savable_state(placed), jax.random.key(3),
+      placed = parallel.replicate(state)
+      checkpoints.save(7, placed, jax.random.key(3),
                        cfg)
       checkpoints.wait()
       np.savez(expected, *[np.asarray(x) for x in
                            jax.tree.leaves(state.params)])
     else:
       restored, meta = checkpoints.restore(7, state, parallel.replicated)
-      placed = parallel.put_state(restored)
-      leaves = jax.tree.leaves(parallel.get_state(placed).params)
+      placed = parallel.replicate(restored)
+      leaves = jax.tree.leaves(parallel.local_copy(placed).params)
       reference = np.load(expected)
       for i, leaf in enumerate(leaves):
         np.testing.assert_array_equal(np.asarray(leaf), reference[f'arr_{i}'])
@@ -425,10 +425,14 @@ def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
     assert result.stdout.split()[-2:] == ['ok', str(devices)]
 
 
-def test_a_time_budget_stops_before_the_window_that_would_pass_it(
-    monkeypatch, cfg):
-  # A clock that moves one second per training step: each log window is
-  # log_every seconds, and the budget holds two and a half of them.
+@pytest.mark.parametrize('log_every', [5, 100_000])
+def test_a_time_budget_stops_before_the_next_check_would_pass_it(
+    monkeypatch, cfg, log_every):
+  # A clock that moves one second per training step. The budget is checked
+  # at every log and at least every BUDGET_CHECK_SECONDS (2 steps here),
+  # each check judging the next interval by the last, so 12.5 seconds hold
+  # 12 steps however rarely the run logs.
+  assert loop.BUDGET_CHECK_SECONDS == 2.0
   clock = {'now': 0.0}
   monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
 
@@ -436,12 +440,12 @@ def test_a_time_budget_stops_before_the_window_that_would_pass_it(
     clock['now'] += 1.0
     return copy_task.train_batch(cfg, step)
 
-  budget = cfg.replace(train_steps=10_000,
-                       max_train_minutes=2.5 * cfg.log_every / 60)
+  budget = cfg.replace(train_steps=10_000, log_every=log_every,
+                       max_train_minutes=12.5 / 60)
   state, _ = loop.train(budget, create_train_state(budget,
                                                    jax.random.key(0)),
                         jax.random.key(1), batch_at)
-  assert int(state.step) == 2 * cfg.log_every
+  assert int(state.step) == 12
 
 
 @pytest.mark.parametrize('changes, says', [
@@ -471,10 +475,10 @@ def test_a_budget_too_short_for_the_saves_says_so_at_the_first_log(
   assert f'--max_train_minutes=0.2 {says}' in capsys.readouterr().out
 
 
-def test_a_time_budget_stops_at_a_log_boundary_with_a_checkpoint(tmp_path, cfg):
+def test_a_time_budget_stops_with_a_checkpoint(tmp_path, cfg):
   state, _ = _train_in(tmp_path, cfg.replace(train_steps=10_000,
                                              max_train_minutes=1e-6))
-  assert int(state.step) == cfg.log_every
+  assert int(state.step) == cfg.log_every  # the first check: the first log
   checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
   assert checkpoints.latest_step() == cfg.log_every
   checkpoints.close()

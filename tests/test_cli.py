@@ -42,7 +42,7 @@ def test_help_lists_every_config_field_with_its_default_and_choices():
   assert result.returncode == 0
   for text in ('--d_model', 'default 512', 'toy=8', '--pre_norm',
                '--label_smoothing', '--warmup_steps', '--copy_length',
-               'one of float32, bfloat16', 'one of shard_map, pmap'):
+               'one of float32, bfloat16'):
     assert text in result.stdout
 
 

@@ -124,6 +124,22 @@ def test_a_multihost_run_without_its_peers_says_what_it_waits_for():
   assert time.perf_counter() - start < 120
 
 
+def test_a_time_budget_holds_however_rarely_the_run_logs(tmp_path):
+  # [max_minutes_rare_logs] No log, evaluation or checkpoint before the end:
+  # the budget still ends the run within seconds of passing it, and saves.
+  result = _train('--task=copy', '--num_encoder_layers=1',
+                  '--num_decoder_layers=1', f'--workdir={tmp_path}',
+                  '--max_train_minutes=0.02', '--train_steps=100000',
+                  '--log_every=100000', '--eval_every=100000',
+                  '--checkpoint_every=0')
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  assert ('--max_train_minutes=0.02: stopping after step'
+          in result.stdout.decode())
+  results = json.loads((tmp_path / 'results.json').read_text())
+  assert results['steps'] < 100_000
+  assert os.listdir(tmp_path / 'checkpoints') == [str(results['steps'])]
+
+
 def test_a_workdir_that_is_a_file_or_not_writable_is_named(tmp_path,
                                                           monkeypatch):
   # [f22] A file where the workdir should be.

@@ -6,7 +6,6 @@ PERFECT_IN_A_ROW evaluations in a row copy every sequence, then scores a last
 draw that training never saw and writes WORKDIR/results.json.
 """
 
-import dataclasses
 import functools
 import time
 
@@ -21,7 +20,6 @@ from flaxformer_mini.loop import SignalCatcher, TrainingRun
 from flaxformer_mini.parallel import (DataParallel, check_divisible,
                                       decode_sharded)
 from flaxformer_mini.training import TrainState
-from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir
 
 # Exact match is measured on this many fresh sequences per evaluation.
@@ -71,11 +69,11 @@ def exact_match(params, config: TransformerConfig, decode_fn, draw: int,
   return copy_task.exact_match(decoded, sources, config), sources, decoded
 
 
-def _perfect_streak(workdir: Workdir) -> int:
-  """Evaluations in a row, counted back from the last logged, that were perfect."""
+def _perfect_streak(matches: list[float]) -> int:
+  """Evaluations in a row, counted back from the last, that were perfect."""
   streak = 0
-  for record in reversed(logbook.read_records(workdir.path).get('eval', [])):
-    if record.get('exact_match') != 1.0:
+  for match in reversed(matches):
+    if match != 1.0:
       break
     streak += 1
   return streak
@@ -98,13 +96,15 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
   with Workdir(workdir_path) as workdir, SignalCatcher() as signals:
     if fresh and (moved := workdir.set_aside()):
       print(f'--fresh: the earlier run is now in {moved}')
-    parallel = DataParallel(config, config.parallel)
+    parallel = DataParallel(config)
     training = TrainingRun.open(config, workdir, parallel)
     decode_fn = greedy_copier(config)
-    streak = _perfect_streak(workdir) if training.resumed_from else 0
+    # The exact match of every evaluation so far, a resumed run's included.
+    matches = [record.get('exact_match') for record in
+               logbook.read_records(workdir.path).get('eval', [])
+               ] if training.resumed_from else []
 
     def evaluate(state: TrainState) -> tuple[float, bool]:
-      nonlocal streak
       # The draw is the step, so a resumed run evaluates on the same data.
       match, _, _ = exact_match(state.params, config, decode_fn,
                                 int(state.step), parallel)
@@ -112,8 +112,8 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
                       f'{EVAL_SEQUENCES} fresh sequences')
       if training.log is not None:
         training.log.write('eval', {'step': int(state.step), 'exact_match': match})
-      streak = streak + 1 if match == 1.0 else 0
-      return match, streak >= PERFECT_IN_A_ROW
+      matches.append(match)
+      return match, _perfect_streak(matches) >= PERFECT_IN_A_ROW
 
     shard = (jax.process_index(), jax.process_count())
     try:
@@ -126,27 +126,15 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
     # Draw 0 is never used during training: the final score is on unseen data.
     match, sources, decoded = exact_match(state.params, config, decode_fn, 0,
                                           parallel)
-    results = {
-        'task': 'copy',
-        'config': dataclasses.asdict(config),
-        'devices': jax.device_count(),
-        'processes': jax.process_count(),
-        'steps': int(state.step),
-        'resumed_from': training.resumed_from,
-        'final_loss': history[-1]['loss'] if history else None,
-        'exact_match': match,
-        'eval_sequences': EVAL_SEQUENCES,
-        'checkpoints': training.checkpoints.directory,
-        'wall_seconds': time.perf_counter() - start_time,
-        'history': history,
-    }
-    if jax.process_index() == 0:  # one writer in a multi-host run
+    results = training.results('copy', state, history, start_time,
+                               exact_match=match,
+                               eval_sequences=EVAL_SEQUENCES)
+    if path := training.write_results(results):
       for source, output in list(zip(sources, decoded))[:4]:
         shown = decoding.tokens_before_eos(output, config.eos_id,
                                            config.pad_id)
         print(f'source: {" ".join(map(str, source))}\n'
               f'output: {" ".join(map(str, shown))}')
-      path = workdir.write_json(workdir_lib.RESULTS, results)
       print(f'exact match {match:.4f} after {results["steps"]} steps on '
             f'{results["devices"]} device(s), {results["wall_seconds"]:.1f} '
             f's; results in {path}')

@@ -27,7 +27,7 @@ from flaxformer_mini import evaluation, plots
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import Checkpoints, average_params
 from flaxformer_mini.config import ConfigError, TransformerConfig
-from flaxformer_mini.data import batching, parallel_text
+from flaxformer_mini.data import DataError, batching, parallel_text
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.decoding import translate_lines
 from flaxformer_mini.loop import SignalCatcher, TrainingRun
@@ -76,6 +76,35 @@ def _differences(prepared: dict, wanted: dict) -> str:
       for key, value in wanted.items() if prepared.get(key) != value)
 
 
+def _check_prepared(workdir: Workdir, wanted: dict, fresh: bool) -> None:
+  """Refuses a workdir prepared from something else (sets it aside: `fresh`).
+
+  The same contents found at another path (the data folder moved, or is
+  reached through a link) are the same data: the run goes on, with a note.
+  """
+  prepared = workdir.read_json(workdir_lib.PREPARED)
+  earlier = (os.path.isfile(workdir.path_of(workdir_lib.TOKENIZER + '.model'))
+             or os.path.isdir(workdir.path_of(workdir_lib.CHECKPOINTS)))
+  if fresh:
+    keep = _PREPARED if prepared == wanted else ()
+    if moved := workdir.set_aside(keep):
+      print(f'--fresh: the earlier run is now in {moved}')
+  elif prepared is not None and prepared != wanted:
+    if {**prepared, 'source': wanted['source']} == wanted:
+      print(f'the data moved from {prepared["source"]} to {wanted["source"]}'
+            ' (the same contents); going on with it')
+    else:
+      raise WorkdirError(
+          f'{workdir.path} was prepared from other data or settings ('
+          f'{_differences(prepared, wanted)}); use --fresh to set the earlier '
+          'run aside and prepare again, or another --workdir.')
+  elif prepared is None and earlier:
+    raise WorkdirError(
+        f'{workdir.path} holds a run that does not say what it was prepared '
+        'from; use --fresh to set it aside and start again, or another '
+        '--workdir.')
+
+
 def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
             dataset: str | None, tfds_dir: str | None, fresh: bool):
   """The texts of every split and the vocabulary, prepared once per source.
@@ -90,29 +119,12 @@ def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
   languages = (config.src_lang, config.tgt_lang)
   if data_dir:
     files = parallel_text.local_split_files(data_dir, languages)
-    source = os.path.abspath(data_dir)
+    source = os.path.realpath(data_dir)
     content = parallel_text.fingerprint(files)
   else:
     source, content = f'tfds:{dataset}', dataset
   wanted = _wanted(config, source, content)
-  prepared = workdir.read_json(workdir_lib.PREPARED)
-  vocabulary = workdir.path_of(workdir_lib.TOKENIZER)
-  earlier = (os.path.isfile(vocabulary + '.model') or
-             os.path.isdir(workdir.path_of(workdir_lib.CHECKPOINTS)))
-  if fresh:
-    keep = _PREPARED if prepared == wanted else ()
-    if moved := workdir.set_aside(keep):
-      print(f'--fresh: the earlier run is now in {moved}')
-  elif prepared is not None and prepared != wanted:
-    raise WorkdirError(
-        f'{workdir.path} was prepared from other data or settings ('
-        f'{_differences(prepared, wanted)}); use --fresh to set the earlier '
-        'run aside and prepare again, or another --workdir.')
-  elif prepared is None and earlier:
-    raise WorkdirError(
-        f'{workdir.path} holds a run that does not say what it was prepared '
-        'from; use --fresh to set it aside and start again, or another '
-        '--workdir.')
+  _check_prepared(workdir, wanted, fresh)
   if data_dir:
     splits = parallel_text.load_local(
         files, languages, tfds_dir or workdir.path_of(workdir_lib.TFDS),
@@ -121,6 +133,7 @@ def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
     splits = parallel_text.load_catalog(dataset, tfds_dir)
   texts = {split: parallel_text.pairs_of(data, languages)
            for split, data in splits.items()}
+  vocabulary = workdir.path_of(workdir_lib.TOKENIZER)
   if os.path.isfile(vocabulary + '.model'):
     tokenizer = spm_lib.load_tokenizer(vocabulary)
   else:
@@ -132,9 +145,139 @@ def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
   return texts, tokenizer
 
 
+@dataclasses.dataclass
+class _Batches:
+  """The token-budget batches of training and the held-out validation set."""
+  train: batching.TokenBatches
+  train_pairs: batching.Filtered
+  held_out: list
+
+
 def _encode(tokenizer, texts: tuple[list[str], list[str]]):
   return tuple([np.asarray(ids, np.int32) for ids in tokenizer.encode(side)]
                for side in texts)
+
+
+def _token_batches(config: TransformerConfig, tokenizer, texts: dict
+                   ) -> _Batches:
+  """Encodes the training and validation splits into bucketed batches.
+
+  Raises:
+    DataError: no training pair fits in max_len.
+  """
+  rows = jax.device_count()
+  train_pairs = batching.filter_pairs(*_encode(tokenizer, texts['train']),
+                                      config.max_len)
+  if not train_pairs.src:
+    raise DataError(
+        f'--max_len={config.max_len}: none of the {train_pairs.too_long} '
+        'non-empty training pairs fits (source + eos and bos + target + eos '
+        'within max_len tokens); raise --max_len.')
+  train = batching.TokenBatches(train_pairs.src, train_pairs.tgt, config,
+                                config.tokens_per_batch, rows)
+  val_pairs = batching.filter_pairs(*_encode(tokenizer, texts['validation']),
+                                    config.max_len)
+  val = batching.TokenBatches(val_pairs.src, val_pairs.tgt, config,
+                              config.tokens_per_batch, rows, shuffle=False)
+  held_out = [val.make(members, length, val.rows_of(length))
+              for length, members in val.epoch_batches()]
+  print(f'train: {len(train_pairs.src)} pairs in {train.per_epoch} '
+        f'batches per epoch ({len(train.shapes())} shapes); '
+        f'skipped {train_pairs.empty} empty and {train_pairs.too_long} '
+        f'longer than max_len={config.max_len}')
+  return _Batches(train, train_pairs, held_out)
+
+
+class _Evaluator:
+  """Scores a run's parameters: held-out loss and sacreBLEU on a split."""
+
+  def __init__(self, config: TransformerConfig, training: TrainingRun,
+               tokenizer, texts: dict, held_out: list, start_time: float):
+    self.config, self.training = config, training
+    self.tokenizer, self.texts, self.held_out = tokenizer, texts, held_out
+    self.start_time = start_time
+    self.evaluations = []  # one record per evaluation during training
+
+  def bleu(self, params, split: str, beam_size: int) -> dict:
+    """sacreBLEU of `params`' translations of `split`, cased and lowercased."""
+    sources, references = self.texts[split]
+    started = time.perf_counter()
+    hypotheses = translate_lines(params, self.config, self.tokenizer, sources,
+                                 beam_size, self.config.eval_alpha)
+    return {**evaluation.bleu(hypotheses, references),
+            'beam_size': beam_size, 'sentences': len(sources),
+            'seconds': time.perf_counter() - started}
+
+  def __call__(self, state: TrainState) -> tuple[float, bool]:
+    """The evaluation during training: validation loss and greedy BLEU."""
+    # Only the parameters go to the devices; the optimizer state is not
+    # needed. Greedy search keeps these evaluations cheap.
+    parallel = self.training.parallel
+    loss = evaluation.held_out_loss(parallel, parallel.replicate(state.params),
+                                    self.held_out)
+    scores = self.bleu(state.params, 'validation', beam_size=1)
+    minutes = (time.perf_counter() - self.start_time) / 60
+    record = {'step': int(state.step), 'wall_minutes': minutes,
+              'val_loss': loss['loss'], 'val_perplexity': loss['perplexity'],
+              'val_bleu': scores['bleu'],
+              'val_bleu_lowercase': scores['bleu_lowercase']}
+    self.evaluations.append(record)
+    if self.training.log is not None:
+      self.training.log.write('eval', record)
+    tqdm.tqdm.write(
+        f'step {record["step"]} ({minutes:.1f} min): validation loss '
+        f'{loss["loss"]:.3f}, perplexity {loss["perplexity"]:.2f}, greedy '
+        f'BLEU {scores["bleu"]:.2f} (lowercased {scores["bleu_lowercase"]:.2f})')
+    return scores['bleu'], False
+
+
+def _average_and_choose(config: TransformerConfig, workdir: Workdir,
+                        state: TrainState, evaluator: _Evaluator) -> dict:
+  """The last parameters and the average of the last checkpoints, each
+  scored on validation with beam search; the better one is kept for the
+  translate command.
+
+  Returns {'candidates': {name: params}, 'averaged_steps', 'validation':
+  {name: scores}, 'chosen': name}.
+  """
+  candidates, averaged_steps = {'latest': state.params}, []
+  if config.average_last > 1:
+    with Checkpoints(workdir.path_of(workdir_lib.CHECKPOINTS)) as checkpoints:
+      # A run its time budget ended early averages the checkpoints it
+      # saved (its first log said so) rather than lose its final scores.
+      last = min(config.average_last, len(checkpoints.steps()))
+      if last < config.average_last:
+        tqdm.tqdm.write(
+            f'--average_last={config.average_last}: the run saved {last} '
+            'checkpoint(s); ' + (f'averaging those {last}.' if last > 1 else
+                                 'scoring the last parameters only.'))
+      if last > 1:
+        candidates['averaged'], averaged_steps = average_params(
+            checkpoints, last, state.params)
+  if averaged_steps and jax.process_index() == 0:
+    with Checkpoints(workdir.path_of(workdir_lib.AVERAGED), keep=1,
+                     writer=True) as averaged:
+      averaged.save_params(int(state.step), candidates['averaged'], config,
+                           {'averaged_steps': averaged_steps})
+  validation = {name: evaluator.bleu(params, 'validation',
+                                     config.eval_beam_size)
+                for name, params in candidates.items()}
+  chosen = max(validation, key=lambda name: validation[name]['bleu'])
+  return {'candidates': candidates, 'averaged_steps': averaged_steps,
+          'validation': validation, 'chosen': chosen}
+
+
+def _data_summary(data_dir: str | None, dataset: str | None, texts: dict,
+                  batches: _Batches) -> dict:
+  """results.json's account of the data: its pairs and what was used."""
+  pairs = batches.train_pairs
+  return {'data_dir': data_dir, 'dataset': dataset,
+          'pairs': {split: len(texts[split][0]) for split in texts},
+          'train_pairs_used': len(pairs.src),
+          'train_skipped_empty': pairs.empty,
+          'train_skipped_too_long': pairs.too_long,
+          'batches_per_epoch': batches.train.per_epoch,
+          'batch_shapes': sorted(batches.train.shapes())}
 
 
 def run(config: TransformerConfig, workdir_path: str,
@@ -154,136 +297,55 @@ def run(config: TransformerConfig, workdir_path: str,
     loop.NonFinite, loop.Interrupted: see loop.train.
   """
   start_time = time.perf_counter() if start_time is None else start_time
-  minutes = lambda: (time.perf_counter() - start_time) / 60
   check_config(config)
   with Workdir(workdir_path) as workdir, SignalCatcher() as signals:
+    # Data and batches.
     signals.when = 'while preparing the data'
     texts, tokenizer = prepare(config, workdir, data_dir, dataset, tfds_dir,
                                fresh)
     test_split = next((s for s in texts if s not in ('train', 'validation')),
                       'validation')
-    rows = jax.device_count()
-    train_pairs = batching.filter_pairs(*_encode(tokenizer, texts['train']),
-                                        config.max_len)
-    train_batches = batching.TokenBatches(
-        train_pairs.src, train_pairs.tgt, config, config.tokens_per_batch,
-        rows)
-    val_pairs = batching.filter_pairs(
-        *_encode(tokenizer, texts['validation']), config.max_len)
-    val_batches = batching.TokenBatches(
-        val_pairs.src, val_pairs.tgt, config, config.tokens_per_batch, rows,
-        shuffle=False)
-    held_out = [val_batches.make(members, length, val_batches.rows_of(length))
-                for length, members in val_batches.epoch_batches()]
-    print(f'train: {len(train_pairs.src)} pairs in {train_batches.per_epoch} '
-          f'batches per epoch ({len(train_batches.shapes())} shapes); '
-          f'skipped {train_pairs.empty} empty and {train_pairs.too_long} '
-          f'longer than max_len={config.max_len}')
-
-    parallel = DataParallel(config, config.parallel)
-    training = TrainingRun.open(config, workdir, parallel)
-    evaluations = []
-
-    def bleu_on(params, split: str, beam_size: int) -> dict:
-      sources, references = texts[split]
-      started = time.perf_counter()
-      hypotheses = translate_lines(params, config, tokenizer, sources,
-                                   beam_size, config.eval_alpha)
-      return {**evaluation.bleu(hypotheses, references),
-              'beam_size': beam_size, 'sentences': len(sources),
-              'seconds': time.perf_counter() - started}
-
-    def evaluate(state: TrainState) -> tuple[float, bool]:
-      # Only the parameters go to the devices; the optimizer state is not
-      # needed. Greedy search keeps these evaluations cheap.
-      loss = evaluation.held_out_loss(
-          parallel, parallel.put_state(state.params), held_out)
-      scores = bleu_on(state.params, 'validation', beam_size=1)
-      evaluations.append({
-          'step': int(state.step), 'wall_minutes': minutes(),
-          'val_loss': loss['loss'], 'val_perplexity': loss['perplexity'],
-          'val_bleu': scores['bleu'],
-          'val_bleu_lowercase': scores['bleu_lowercase']})
-      if training.log is not None:
-        training.log.write('eval', evaluations[-1])
-      tqdm.tqdm.write(
-          f'step {int(state.step)} ({minutes():.1f} min): validation loss '
-          f'{loss["loss"]:.3f}, perplexity {loss["perplexity"]:.2f}, greedy '
-          f'BLEU {scores["bleu"]:.2f} (lowercased {scores["bleu_lowercase"]:.2f})')
-      return scores['bleu'], False
-
+    batches = _token_batches(config, tokenizer, texts)
+    # Train.
+    training = TrainingRun.open(config, workdir, DataParallel(config))
+    evaluator = _Evaluator(config, training, tokenizer, texts,
+                           batches.held_out, start_time)
     shard = (jax.process_index(), jax.process_count())
     try:
       state, history = training.train(
-          lambda step: train_batches.batch_at(step, shard), evaluate, signals)
+          lambda step: batches.train.batch_at(step, shard), evaluator, signals)
     finally:
       training.close(f'{config.src_lang} -> {config.tgt_lang} translation')
+    # Average and choose; score.
     signals.when = 'during the final evaluation'
-    candidates = {'latest': state.params}
-    averaged_steps = []
-    if config.average_last > 1:
-      with Checkpoints(workdir.path_of(workdir_lib.CHECKPOINTS)) as checkpoints:
-        # A run its time budget ended early averages the checkpoints it
-        # saved (its first log said so) rather than lose its final scores.
-        last = min(config.average_last, len(checkpoints.steps()))
-        if last < config.average_last:
-          tqdm.tqdm.write(
-              f'--average_last={config.average_last}: the run saved {last} '
-              'checkpoint(s); ' + (f'averaging those {last}.' if last > 1 else
-                                   'scoring the last parameters only.'))
-        if last > 1:
-          candidates['averaged'], averaged_steps = average_params(
-              checkpoints, last, state.params)
-    if averaged_steps and jax.process_index() == 0:
-      with Checkpoints(workdir.path_of(workdir_lib.AVERAGED), keep=1,
-                       writer=True) as averaged:
-        averaged.save_params(int(state.step), candidates['averaged'], config,
-                             {'averaged_steps': averaged_steps})
-    validation = {name: bleu_on(params, 'validation', config.eval_beam_size)
-                  for name, params in candidates.items()}
-    chosen = max(validation, key=lambda name: validation[name]['bleu'])
-    test = bleu_on(candidates[chosen], test_split, config.eval_beam_size)
-    results = {
-        'task': 'translate',
-        'config': dataclasses.asdict(config),
-        'data': {'data_dir': data_dir, 'dataset': dataset,
-                 'pairs': {split: len(pairs[0]) for split, pairs in
-                           texts.items()},
-                 'train_pairs_used': len(train_pairs.src),
-                 'train_skipped_empty': train_pairs.empty,
-                 'train_skipped_too_long': train_pairs.too_long,
-                 'batches_per_epoch': train_batches.per_epoch,
-                 'batch_shapes': sorted(train_batches.shapes())},
-        'vocabulary': {'path': workdir.path_of(workdir_lib.TOKENIZER) + '.model',
-                       'size': tokenizer.get_piece_size(), 'type': 'unigram',
-                       'joint': True},
-        'devices': jax.device_count(),
-        'steps': int(state.step),
-        'epochs': int(state.step) / train_batches.per_epoch,
-        'resumed_from': training.resumed_from,
-        'final_loss': history[-1]['loss'] if history else None,
-        'evaluations': evaluations,
+    final = _average_and_choose(config, workdir, state, evaluator)
+    chosen = final['chosen']
+    test = evaluator.bleu(final['candidates'][chosen], test_split,
+                          config.eval_beam_size)
+    # Results.
+    evaluations = evaluator.evaluations
+    results = training.results(
+        'translate', state, history, start_time,
+        data=_data_summary(data_dir, dataset, texts, batches),
+        vocabulary={'path': workdir.path_of(workdir_lib.TOKENIZER) + '.model',
+                    'size': tokenizer.get_piece_size(), 'type': 'unigram',
+                    'joint': True},
+        epochs=int(state.step) / batches.train.per_epoch,
+        evaluations=evaluations,
         # Wall minutes (from the run's start) of the first evaluation whose
         # greedy validation BLEU, cased, reached each threshold.
-        'minutes_to_val_bleu': {
+        minutes_to_val_bleu={
             str(threshold): next((e['wall_minutes'] for e in evaluations
                                   if e['val_bleu'] >= threshold), None)
             for threshold in (25, 30, 35, 40)},
-        'averaged_steps': averaged_steps,
-        'validation': validation,
-        'translate_with': chosen,
-        'test_split': test_split,
-        'test': test,
-        'test_bleu': test['bleu'],
-        'test_bleu_lowercase': test['bleu_lowercase'],
-        'wall_seconds': time.perf_counter() - start_time,
-        'history': history,
-    }
-    if jax.process_index() == 0:  # one writer in a multi-host run
-      path = workdir.write_json(workdir_lib.RESULTS, results)
+        averaged_steps=final['averaged_steps'],
+        validation=final['validation'], translate_with=chosen,
+        test_split=test_split, test=test, test_bleu=test['bleu'],
+        test_bleu_lowercase=test['bleu_lowercase'])
+    if path := training.write_results(results):
       if evaluations:
         plots.bleu_over_time(workdir.path)
-      for name, scores in validation.items():
+      for name, scores in final['validation'].items():
         print(f'validation, {name} parameters: sacreBLEU {scores["bleu"]:.2f} '
               f'(lowercased {scores["bleu_lowercase"]:.2f})')
       print(f'{test_split} with the {chosen} parameters: sacreBLEU '
