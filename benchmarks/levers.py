@@ -58,6 +58,7 @@ import numpy as np
 from flaxformer_mini import losses
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import batching, copy_task, parallel_text
+from flaxformer_mini.data.lines import read_lines
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state, train_step
@@ -274,11 +275,7 @@ def _multi30k_train_pairs(data_dir: str, config) -> batching.Filtered:
   paths = parallel_text.local_split_files(
       data_dir, (config.src_lang, config.tgt_lang))['train']
 
-  def lines(path):
-    with parallel_text.open_text(path) as f:
-      return [line.rstrip('\n') for line in f]
-
-  src, tgt = (lines(path) for path in paths)
+  src, tgt = (list(read_lines(path)) for path in paths)
   with tempfile.TemporaryDirectory() as vocab_dir:
     tokenizer = spm_lib.train_tokenizer(src + tgt,
                                         os.path.join(vocab_dir, 'spm'), config)

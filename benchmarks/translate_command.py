@@ -29,6 +29,7 @@ from flaxformer_mini.decoding import translate_ids
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import parallel_text
+from flaxformer_mini.data.lines import read_lines
 
 import common
 import decode as decode_bench
@@ -40,8 +41,7 @@ MULTI30K = os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')
 def _test_sources(data_dir: str, config, split: str) -> list[str]:
   files = parallel_text.local_split_files(data_dir,
                                           (config.src_lang, config.tgt_lang))
-  with parallel_text.open_text(files[split][0]) as f:
-    return [line.strip() for line in f]
+  return [line.strip() for line in read_lines(files[split][0])]
 
 
 def _timed_passes(run) -> tuple[float, float, list]:

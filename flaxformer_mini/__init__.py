@@ -8,33 +8,47 @@ Figure 1, box by box:
 and around it: config, masks (the Batch), losses, schedules, training (the
 pure steps), parallel, loop (the training loop), checkpoints, workdir,
 search (greedy and beam search over any model), decoding (the Transformer's),
-evaluation, data/, tasks/ (copy, translate), translate (the command), tour,
-plots, logbook, compilation_cache; cpu_kernels is the opt-in CPU seam.
+evaluation, data/, tasks/ (train_copy, train_translation), translate (the
+command), tour, plots, logbook, cli, compilation_cache; cpu_kernels is the
+opt-in CPU seam.
+
+The names below are imported from their modules on first use (PEP 562), so
+that `import flaxformer_mini.cli` does not load JAX: the commands refuse a
+bad flag, or end on Ctrl-C, before the second it takes.
 """
 
-from flaxformer_mini.checkpoints import Checkpoints, load_params
-from flaxformer_mini.config import ConfigError, TransformerConfig, get_config
-from flaxformer_mini.decoding import (beam_decode, greedy_decode, init_cache,
-                                      transformer_tokens_to_logits,
-                                      translate_lines)
-from flaxformer_mini.masks import Batch, make_batch
-from flaxformer_mini.model import Transformer
-from flaxformer_mini.parallel import DataParallel
-from flaxformer_mini.search import (BeamSearchResult, BeamState, beam_search,
-                                    beam_search_result, expand_to_beams,
-                                    greedy_search, run_beam_search,
-                                    start_beam_search, take_items)
-from flaxformer_mini.training import (TrainState, create_train_state,
-                                      eval_step, init_params, train_step)
-from flaxformer_mini.workdir import TrainedRun, load_run
+import importlib
 
-__all__ = [
-    'Batch', 'BeamSearchResult', 'BeamState', 'Checkpoints', 'ConfigError',
-    'DataParallel', 'TrainState', 'TrainedRun', 'Transformer',
-    'TransformerConfig', 'beam_decode', 'beam_search', 'beam_search_result',
-    'create_train_state', 'eval_step', 'expand_to_beams', 'get_config',
-    'greedy_decode', 'greedy_search', 'init_cache', 'init_params',
-    'load_params', 'load_run', 'make_batch', 'run_beam_search',
-    'start_beam_search', 'take_items', 'train_step',
-    'transformer_tokens_to_logits', 'translate_lines',
-]
+# Each public name and the module it lives in.
+_HOMES = {
+    'Checkpoints': 'checkpoints', 'load_params': 'checkpoints',
+    'ConfigError': 'config', 'TransformerConfig': 'config',
+    'get_config': 'config',
+    'beam_decode': 'decoding', 'greedy_decode': 'decoding',
+    'init_cache': 'decoding', 'transformer_tokens_to_logits': 'decoding',
+    'translate_lines': 'decoding',
+    'Batch': 'masks', 'make_batch': 'masks',
+    'Transformer': 'model',
+    'DataParallel': 'parallel',
+    'BeamSearchResult': 'search', 'BeamState': 'search',
+    'beam_search': 'search', 'beam_search_result': 'search',
+    'expand_to_beams': 'search', 'greedy_search': 'search',
+    'run_beam_search': 'search', 'start_beam_search': 'search',
+    'take_items': 'search',
+    'TrainState': 'training', 'create_train_state': 'training',
+    'eval_step': 'training', 'init_params': 'training',
+    'train_step': 'training',
+    'TrainedRun': 'workdir', 'load_run': 'workdir',
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+  if name not in _HOMES:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  return getattr(importlib.import_module(f'{__name__}.{_HOMES[name]}'), name)
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_HOMES))

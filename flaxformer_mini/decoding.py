@@ -13,6 +13,8 @@ batches, with the sentences whose beam search has ended leaving their batch
 on the way.
 """
 
+import os
+import resource
 from typing import Callable
 
 import jax
@@ -224,6 +226,40 @@ _jit_start_beams = jax.jit(_start_beams, static_argnums=(0, 1, 2, 3))
 _jit_run_beams = jax.jit(_run_beams, static_argnames=('config', 'alpha',
                                                       'until_searching'))
 _jit_take_items = jax.jit(take_items)
+
+
+def search_bytes(config: TransformerConfig, batch_size: int,
+                 beam_size: int) -> int:
+  """About how much device memory a beam search of `batch_size` sources of
+  up to config.max_len tokens takes with `beam_size` beams.
+
+  Per beam row: the key/value caches of self- and cross-attention (the
+  self-attention cache twice, as it is reordered with the beams), float32
+  logits, log-probabilities and candidates over the vocabulary, and the
+  live, finished and candidate sequences.
+  """
+  rows = batch_size * beam_size
+  itemsize = jnp.dtype(config.dtype).itemsize
+  layer_cache = 2 * config.max_len * config.d_model * itemsize  # keys, values
+  per_row = (config.num_decoder_layers * layer_cache * 3 +
+             3 * config.tgt_vocab_size * 4 + 8 * (config.max_len + 1) * 4)
+  return rows * per_row
+
+
+def device_memory_bytes() -> int | None:
+  """The memory of this process's first device (a CPU's: the host's, within
+  the process's address-space limit), or None where it is not known."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  if stats and stats.get('bytes_limit'):
+    return int(stats['bytes_limit'])
+  if device.platform != 'cpu':
+    return None
+  limits = [os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')]
+  address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+  if address_space != resource.RLIM_INFINITY:
+    limits.append(address_space)
+  return min(limits)
 
 
 def _next_rows(rows: int) -> int:

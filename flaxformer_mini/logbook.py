@@ -12,10 +12,11 @@ the records past S, which the run is about to compute again.
 
 import json
 import os
+import sys
 
 from tensorboardX import SummaryWriter
 
-from flaxformer_mini.workdir import METRICS, TENSORBOARD
+from flaxformer_mini.workdir import METRICS, TENSORBOARD, WorkdirError
 
 
 class Logbook:
@@ -46,10 +47,26 @@ class Logbook:
 
 
 def _load(path: str) -> list[dict]:
+  """The records of `path`. A last line cut short (a crash or a full disk
+  mid-write: the file is only ever appended to) is dropped with a warning;
+  a damaged line before it is a WorkdirError naming it."""
   if not os.path.isfile(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  with open(path, encoding='utf-8', errors='replace') as f:
+    lines = [(number, line) for number, line in enumerate(f, start=1)
+             if line.strip()]
+  records = []
+  for number, line in lines:
+    try:
+      records.append(json.loads(line))
+    except ValueError:
+      if number != lines[-1][0]:
+        raise WorkdirError(
+            f'{path}: line {number} is damaged; restore the file from a copy, '
+            'or move it away to start the log afresh.') from None
+      print(f'warning: {path}: its last line was cut short (a crash or a '
+            'full disk); dropping it.', file=sys.stderr)
+  return records
 
 
 def read_records(workdir: str) -> dict[str, list[dict]]:

@@ -9,41 +9,75 @@ checkpoint, whichever scored better on validation; `--params` picks one).
 Lines are split on '\\n' alone, sorted by length into batches and
 beam-searched; line i of the output always answers line i of the input, and
 an empty input line gives an empty output line.
+
+It ends as a Unix filter does: quietly when its reader has gone (`| head`,
+exit 141), in one line when the output cannot be written (a full disk) or
+on Ctrl-C (exit 130); a --beam_size that cannot fit in the device's memory
+is refused before anything compiles.
 """
 
 import os
+import signal
 import sys
 
 from flaxformer_mini import cli, compilation_cache
-from flaxformer_mini import workdir as workdir_lib
-from flaxformer_mini.checkpoints import CheckpointError
 from flaxformer_mini.data import DataError
-from flaxformer_mini.decoding import translate_lines
+from flaxformer_mini.data.lines import split_lines
 
 
-def split_lines(data: bytes, source: str) -> list[str]:
-  """UTF-8 bytes -> their lines, split on '\\n' only (a final one ends the text).
-
-  Other characters Python's str.splitlines() breaks at (U+2028, NEL, form
-  feed, ...) stay inside their line, so line i of the output answers line i
-  of the input. Raises ValueError naming the line that is not UTF-8.
-  """
+def _input_lines(parser, path: str | None) -> list[str]:
+  """The input's lines: stdin, or any readable file, pipe or device."""
+  if path is not None and os.path.isdir(path):
+    parser.error(f'--input={path}: a folder, not a file.')
   try:
-    text = data.decode('utf-8')
-  except UnicodeDecodeError as e:
-    line = data[:e.start].count(b'\n') + 1
-    raise ValueError(f'{source}: line {line} is not UTF-8 text.') from None
-  lines = text.split('\n')
-  if lines and lines[-1] == '':
-    lines.pop()
-  return [line.removesuffix('\r') for line in lines]
+    if path is None:
+      return split_lines(sys.stdin.buffer.read(), 'stdin')
+    with open(path, 'rb') as f:
+      return split_lines(f.read(), f'--input={path}')
+  except FileNotFoundError:
+    parser.error(f'--input={path}: no such file.')
+  except OSError as e:
+    parser.error(f'--input={path}: cannot be read ({e.strerror}).')
+  except DataError as e:
+    parser.error(str(e))
+
+
+def _check_memory(parser, config, beam_size: int, batch_size: int) -> None:
+  """Refuses a search that cannot fit in the device's memory, before it
+  compiles (an XLA out-of-memory error would come after a long wait)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import decoding  # pylint: disable=g-import-not-at-top
+  need = decoding.search_bytes(config, batch_size, beam_size)
+  have = decoding.device_memory_bytes()
+  if have is not None and need > have:
+    parser.error(
+        f'--beam_size={beam_size}: a search of --batch_size={batch_size} '
+        f'sentences with {beam_size} beams needs about {need / 2**30:.1f} '
+        f'GB, more than the {have / 2**30:.1f} GB of this '
+        f'{jax.devices()[0].platform.upper()}; lower --beam_size or '
+        '--batch_size.')
+
+
+def _write(text: str) -> None:
+  """Writes to stdout and ends as a Unix filter does when it cannot."""
+  try:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+  except OSError as e:
+    # Python flushes stdout once more as it exits: let that go nowhere.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if isinstance(e, BrokenPipeError):  # the reader has gone (`| head`)
+      sys.exit(128 + signal.SIGPIPE)
+    sys.exit(f'translate: error: the translations could not be written '
+             f'({e.strerror}).')
 
 
 def main(argv: list[str]) -> None:
   parser = cli.OneLineParser(prog='python -m flaxformer_mini.translate',
-                          description=__doc__.split('\n\n')[0])
+                             description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', required=True)
-  parser.add_argument('--input', help='a UTF-8 text file (default: stdin).')
+  parser.add_argument('--input', help='a UTF-8 text file, pipe or device '
+                      '(default: stdin).')
   parser.add_argument('--params', choices=['best', 'latest', 'averaged'],
                       default='best', help="the run's choice (default), its "
                       'latest checkpoint, or its averaged parameters.')
@@ -55,37 +89,55 @@ def main(argv: list[str]) -> None:
                       help='sentences per search.')
   compilation_cache.add_flag(parser)
   args = parser.parse_args(argv)
-  if args.input is not None and not os.path.isfile(args.input):
-    parser.error(f'--input={args.input}: '
-                 + ('a folder, not a file.' if os.path.isdir(args.input) else
-                    'no such file.'))
-  if not os.path.isfile(os.path.join(args.workdir,
-                                     workdir_lib.TOKENIZER + '.model')):
-    parser.error(f'--workdir={args.workdir}: no {workdir_lib.TOKENIZER}.model '
-                 'there; train with train.py --task=translate first.')
-  try:
-    if args.input is None:
-      lines = split_lines(sys.stdin.buffer.read(), 'stdin')
-    else:
-      with open(args.input, 'rb') as f:
-        lines = split_lines(f.read(), f'--input={args.input}')
-  except ValueError as e:
-    parser.error(str(e))
+  lines = _input_lines(parser, args.input)
+  # JAX loads here, once the flags and the input are known to be good.
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from flaxformer_mini import decoding
+  from flaxformer_mini import workdir as workdir_lib
+  from flaxformer_mini.checkpoints import CheckpointError
+  # pylint: enable=g-import-not-at-top
+  vocabulary = workdir_lib.TOKENIZER + '.model'
+  if not os.path.isfile(os.path.join(args.workdir, vocabulary)):
+    parser.error(f'--workdir={args.workdir}: no {vocabulary} there; train '
+                 'with train.py --task=translate first.')
   compilation_cache.use(args.compilation_cache)
   try:
     run = workdir_lib.load_run(args.workdir, args.params)
   except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
     parser.error(str(e))
   config = run.config
+  _check_memory(parser, config, args.beam_size, args.batch_size)
   warn = lambda number, length: print(
       f'translate: line {number} has {length} tokens; cut to '
       f'{config.max_len - 1} (the model\'s max_len)', file=sys.stderr)
-  translations = translate_lines(
-      run.params, config, run.tokenizer, lines, args.beam_size,
-      config.eval_alpha if args.alpha is None else args.alpha,
-      args.batch_size, warn)
-  sys.stdout.write(''.join(line + '\n' for line in translations))
+  try:
+    translations = decoding.translate_lines(
+        run.params, config, run.tokenizer, lines, args.beam_size,
+        config.eval_alpha if args.alpha is None else args.alpha,
+        args.batch_size, warn)
+  except jax.errors.JaxRuntimeError as e:
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    parser.error(f'the search ran out of device memory; lower --beam_size '
+                 f'(now {args.beam_size}) or --batch_size (now '
+                 f'{args.batch_size}).')
+  _write(''.join(line + '\n' for line in translations))
+
+
+def _interrupted(signum, frame) -> None:
+  """Ctrl-C: one line and the shell's code for SIGINT, at once.
+
+  The command writes nothing before its output, so there is nothing to
+  finish; exiting from the handler also ends it where a KeyboardInterrupt
+  would be swallowed (in a garbage-collection callback while JAX loads).
+  """
+  del frame
+  # os.write, not print: the signal may come in the middle of a print.
+  os.write(sys.stderr.fileno(), b'\ntranslate: interrupted\n')
+  os._exit(128 + signum)  # pylint: disable=protected-access
 
 
 if __name__ == '__main__':
+  signal.signal(signal.SIGINT, _interrupted)
   main(sys.argv[1:])

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import (MULTI30K, ROOT, tiny_translation_config,
-                      tiny_translation_flags)
+from conftest import (MULTI30K, ROOT, multi30k_lines,
+                      tiny_translation_config, tiny_translation_flags)
 from flaxformer_mini import checkpoints, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import DataError, parallel_text
@@ -62,10 +62,21 @@ def _one_line_error(result, code: int, *expected: str) -> str:
   return lines[0]
 
 
+def _last_line_error(result, code: int, *expected: str) -> str:
+  """The last line of stderr, after the data preparation's progress."""
+  err = result.stderr.decode()
+  assert result.returncode == code, err[-3000:]
+  assert 'Traceback' not in err, err[-3000:]
+  last = err.strip().splitlines()[-1]
+  for text in expected:
+    assert text in last, last
+  return last
+
+
 def _toy_copy_run(workdir, **changes) -> dict:
-  config = get_config('toy').replace(train_steps=10, log_every=5,
-                                     checkpoint_every=5, eval_every=100_000,
-                                     **changes)
+  config = get_config('toy').replace(**{
+      'train_steps': 10, 'log_every': 5, 'checkpoint_every': 5,
+      'eval_every': 100_000, **changes})
   return train_copy.run(config, str(workdir))
 
 
@@ -370,6 +381,195 @@ def test_translating_while_training_saves_every_step_harms_neither(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# --- Damaged workdir files ----------------------------------------------------
+
+
+def _cut_in_half(path) -> None:
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+@needs_multi30k
+def test_a_damaged_results_json_costs_only_the_choice_of_parameters(
+    tiny_run, tmp_path):
+  # [translate_results_json_damaged] results.json only says which
+  # parameters scored better: the command translates with the latest ones
+  # and says why.
+  workdir = tmp_path / 'run'
+  shutil.copytree(tiny_run[0], workdir)
+  _cut_in_half(workdir / 'results.json')
+  result = _translate(f'--workdir={workdir}', '--beam_size=1',
+                      stdin=b'Ein Hund.\nZwei Katzen.\n')
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  (warning,) = result.stderr.decode().splitlines()
+  assert 'results.json is damaged' in warning
+  assert 'Using the latest parameters' in warning
+  assert len(result.stdout.decode().split('\n')) == 3
+
+
+@needs_multi30k
+def test_a_damaged_vocabulary_is_named_by_every_command(tiny_run, data_slice,
+                                                        tmp_path):
+  # [vocab_file_truncated] spm.model cut in half, as an interrupted copy of
+  # a workdir leaves it: translating and resuming each say so in one line.
+  workdir = tmp_path / 'run'
+  shutil.copytree(tiny_run[0], workdir)
+  _cut_in_half(workdir / 'spm.model')
+  expected = f'{workdir}/spm.model is damaged'
+  _one_line_error(_translate(f'--workdir={workdir}', stdin=b'Ein Hund.\n'), 2,
+                  expected)
+  _last_line_error(_train(*tiny_translation_flags(train_steps=13),
+                          f'--data_dir={data_slice}', f'--workdir={workdir}'),
+                   1, expected, '--fresh')
+
+
+@needs_multi30k
+def test_a_damaged_prepared_record_is_named(tiny_run, data_slice, tmp_path):
+  # [prepared_json_damaged]
+  workdir = tmp_path / 'run'
+  shutil.copytree(tiny_run[0], workdir)
+  _cut_in_half(workdir / 'prepared.json')
+  with Workdir(str(workdir)) as held:
+    with pytest.raises(WorkdirError, match=f'{workdir}/prepared.json is '
+                       'damaged.*restore it from a copy'):
+      train_translation.prepare(tiny_translation_config(), held,
+                                str(data_slice), None, None, fresh=False)
+
+
+@needs_multi30k
+def test_the_same_data_at_another_path_is_accepted_with_a_note(
+    tiny_run, data_slice, tmp_path, capsys):
+  # [resume_after_data_moved] The same bytes elsewhere (moved, or through a
+  # link) are the same data: the run goes on, and says so once.
+  workdir = tmp_path / 'run'
+  shutil.copytree(tiny_run[0], workdir)
+  moved = tmp_path / 'moved'
+  shutil.copytree(data_slice, moved)
+  with Workdir(str(workdir)) as held:
+    texts, _ = train_translation.prepare(tiny_translation_config(), held,
+                                         str(moved), None, None, fresh=False)
+    assert held.read_json(workdir_lib.PREPARED)['source'] == str(moved)
+  assert len(texts['train'][0]) == 302
+  assert (f'the data moved from {os.path.realpath(data_slice)} to {moved} '
+          '(the same contents)') in capsys.readouterr().out
+
+
+def test_a_cut_last_line_of_the_metrics_log_is_dropped_with_a_word(
+    toy_workdir, tmp_path, capsys):
+  # [metrics_cut_last_line] The log is only appended to, so a crash or a full
+  # disk can cut its last line: the resumed run drops it, says so, and goes
+  # on. A damaged line before the last is named.
+  workdir = tmp_path / 'run'
+  shutil.copytree(toy_workdir, workdir)
+  metrics = workdir / 'metrics.jsonl'
+  with open(metrics, 'r+b') as f:
+    f.truncate(os.path.getsize(metrics) - 20)
+  results = _toy_copy_run(workdir, train_steps=15)
+  assert results['resumed_from'] == 10 and results['steps'] == 15
+  assert 'metrics.jsonl: its last line was cut short' in capsys.readouterr().err
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [r['step'] for r in records] == [5, 15]
+  lines = metrics.read_text().splitlines()
+  metrics.write_text('\n'.join([lines[0][:-9], *lines[1:]]) + '\n')
+  with pytest.raises(WorkdirError, match='metrics.jsonl: line 1 is damaged'):
+    _toy_copy_run(workdir, train_steps=20)
+
+
+# --- The translate command as a Unix filter -------------------------------------
+
+
+def _short_sentences(count: int) -> bytes:
+  """`count` short Multi30k lines: none is cut to the tiny model's max_len."""
+  lines = [line for line in multi30k_lines('train', 'de') if len(line) <= 24]
+  return ('\n'.join((lines * (count // len(lines) + 1))[:count]) +
+          '\n').encode()
+
+
+def _unbuffered_off() -> dict:
+  """The environment without PYTHONUNBUFFERED, as a user's shell has it (set,
+  a write cut short by a closed pipe goes unnoticed)."""
+  return {k: v for k, v in os.environ.items() if k != 'PYTHONUNBUFFERED'}
+
+
+@needs_multi30k
+def test_a_closed_pipe_ends_the_command_quietly(tiny_run, tmp_path):
+  # [translate_closed_pipe] `translate ... | head -n 1` with more output than
+  # a pipe holds: exit 141 (SIGPIPE's), nothing on stderr.
+  source = tmp_path / 'in.txt'
+  source.write_bytes(_short_sentences(6000))
+  with open(source, 'rb') as stdin:
+    command = subprocess.Popen(
+        [sys.executable, '-m', 'flaxformer_mini.translate',
+         f'--workdir={tiny_run[0]}', '--beam_size=1'], stdin=stdin,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+        env=_unbuffered_off())
+    first = command.stdout.readline()
+    command.stdout.close()  # as head does after its line
+    err = command.stderr.read()
+    command.wait(timeout=300)
+  assert first.endswith(b'\n')
+  assert command.returncode == 141, err.decode()[-2000:]
+  assert err == b''
+
+
+@needs_multi30k
+def test_a_full_disk_is_one_line(tiny_run, tmp_path):
+  # [translate_disk_full] `> /dev/full`, with more output than Python's
+  # buffer and with less (that one fails only as it is flushed).
+  for count in (5000, 3):
+    with open('/dev/full', 'wb') as full:
+      result = subprocess.run(
+          [sys.executable, '-m', 'flaxformer_mini.translate',
+           f'--workdir={tiny_run[0]}', '--beam_size=1'],
+          input=_short_sentences(count), stdout=full, stderr=subprocess.PIPE,
+          cwd=ROOT, env=_unbuffered_off(), timeout=300)
+    _one_line_error(result, 1, 'the translations could not be written (No '
+                    'space left on device)')
+
+
+@needs_multi30k
+def test_ctrl_c_is_one_line_whenever_it_comes(tiny_run, tmp_path):
+  # [translate_sigint] SIGINT while JAX loads, while the model loads and while
+  # it decodes: one line and exit 130, never a traceback.
+  source = tmp_path / 'in.txt'
+  source.write_bytes(_short_sentences(20000))
+  for delay in (0.5, 1.5, 6.0):
+    with open(source, 'rb') as stdin:
+      command = subprocess.Popen(
+          [sys.executable, '-m', 'flaxformer_mini.translate',
+           f'--workdir={tiny_run[0]}'], stdin=stdin,
+          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+      time.sleep(delay)
+      assert command.poll() is None, 'it ended before the signal'
+      command.send_signal(signal.SIGINT)
+      _, err = command.communicate(timeout=120)
+    assert command.returncode == 130, err.decode()[-2000:]
+    assert err.decode().split() == ['translate:', 'interrupted'], err
+
+
+@needs_multi30k
+def test_a_beam_that_cannot_fit_is_refused_before_it_compiles(tiny_run):
+  # [translate_beam_huge] 64 sentences x 100,000 beams: refused in one line
+  # with the memory it would need, before XLA runs out of it.
+  started = time.perf_counter()
+  line = _one_line_error(_translate(f'--workdir={tiny_run[0]}',
+                                    '--beam_size=100000', stdin=b'Ein Hund.\n'),
+                         2, '--beam_size=100000: a search of --batch_size=64 '
+                         'sentences with 100000 beams needs about')
+  assert 'lower --beam_size or --batch_size' in line
+  assert time.perf_counter() - started < 60
+
+
+@needs_multi30k
+def test_input_may_come_from_a_pipe(tiny_run):
+  # [translate_input_from_a_pipe] --input=<(zcat ...) names a pipe, not a
+  # regular file: it is read like one.
+  result = _translate(f'--workdir={tiny_run[0]}', '--beam_size=1',
+                      '--input=/dev/stdin', stdin=b'Ein Hund.\nZwei Katzen.\n')
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  assert len(result.stdout.decode().split('\n')) == 3
+
+
 # --- Data -------------------------------------------------------------------
 
 
@@ -416,6 +616,76 @@ def test_damaged_data_files_name_the_file_and_line(tmp_path, damage, expected):
     parallel_text.local_split_files(str(corpus), ('de', 'en'))
   _one_line_error(_train('--task=translate', f'--data_dir={corpus}',
                          f'--workdir={tmp_path / "run"}'), 1, expected)
+
+
+@pytest.mark.parametrize('split, lines, expected', [
+    # [data_blank_lines] training files of whitespace only.
+    ('train', [' ', '\t', '\u3000'] * 100,
+     'train.de.gz: no text (every line is empty)'),
+    # [data_empty_val] validation files with no lines.
+    ('val', [], 'val.de.gz: no text (the file is empty)'),
+])
+def test_a_split_without_text_is_refused_naming_its_file(tmp_path, split,
+                                                         lines, expected):
+  corpus = _tiny_corpus(tmp_path / 'data')
+  for lang in ('de', 'en'):
+    _write(corpus / f'{split}.{lang}.gz', lines,
+           raw=b'' if not lines else None)
+  _one_line_error(_train('--task=translate', f'--data_dir={corpus}',
+                         f'--workdir={tmp_path / "run"}'), 1, expected)
+
+
+def test_line_ends_and_a_bom_are_read_alike_everywhere(tmp_path):
+  # [data_lone_cr, data_bom_crlf] Lines end at '\n' alone, in the count and
+  # in the reader alike: a lone '\r' stays inside its line (pair i is line
+  # i of both files), '\r\n' is '\n', and a byte-order mark is dropped.
+  german = ['ein hund', 'der\rschwarze hund', 'zwei katzen', 'ein mann']
+  english = ['a dog', 'the black dog', 'two cats', 'a man']
+  corpus = _tiny_corpus(tmp_path / 'data')
+  _write(corpus / 'train.de.gz', german, raw=b'\xef\xbb\xbf' + '\r\n'.join(
+      german).encode() + b'\r\n')
+  _write(corpus / 'train.en.gz', english)
+  files = parallel_text.local_split_files(str(corpus), ('de', 'en'))
+  splits = parallel_text.load_local(files, ('de', 'en'), str(tmp_path / 'tfds'),
+                                    parallel_text.fingerprint(files))
+  assert parallel_text.pairs_of(splits['train'], ('de', 'en')) == (
+      german, english)
+
+
+@needs_multi30k
+def test_no_training_pair_within_max_len_is_named(data_slice, tmp_path):
+  # [data_no_usable_pairs] One line naming --max_len, not a ZeroDivisionError
+  # after the model is built.
+  flags = tiny_translation_flags(max_len=4, tokens_per_batch=64)
+  _last_line_error(_train(*flags, f'--data_dir={data_slice}',
+                         f'--workdir={tmp_path / "run"}'), 1,
+                  '--max_len=4: none of the', 'raise --max_len')
+
+
+@pytest.mark.parametrize('dataset, expected', [
+    # [dataset_not_a_name] a folder where --data_dir was meant ...
+    ('FOLDER', 'is a path; --dataset takes a TFDS name'),
+    # ... and another library's name.
+    ('huggingface:bentrevett/multi30k', 'TFDS cannot open it'),
+])
+def test_a_dataset_that_is_not_a_tfds_name_is_one_line(tmp_path, dataset,
+                                                        expected):
+  if dataset == 'FOLDER':
+    dataset = str(_tiny_corpus(tmp_path / 'data'))
+  _one_line_error(_train('--task=translate', f'--dataset={dataset}',
+                         f'--workdir={tmp_path / "run"}'), 1,
+                  f'--dataset={dataset}', expected)
+
+
+def test_a_tfds_dir_under_a_file_is_named(tmp_path):
+  # [tfds_dir_not_a_folder]
+  corpus = _tiny_corpus(tmp_path / 'data')
+  afile = tmp_path / 'afile'
+  afile.write_text('not a folder')
+  _one_line_error(_train('--task=translate', f'--data_dir={corpus}',
+                         f'--tfds_dir={afile}/tfds',
+                         f'--workdir={tmp_path / "run"}'), 1,
+                  f'--tfds_dir={afile}/tfds: {afile} is a file, not a folder')
 
 
 def test_a_translation_run_on_three_devices_is_not_refused_over_batch_size(

@@ -200,12 +200,13 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
 def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
                                                           monkeypatch):
   """Without --alpha the command searches as the run's scores were decoded."""
-  from flaxformer_mini import translate  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import decoding, translate
   workdir, results = tiny_run
   source = tmp_path / 'source.txt'
   source.write_text('Ein Hund.\n', encoding='utf-8')
   alphas = []
-  monkeypatch.setattr(translate, 'translate_lines',
+  monkeypatch.setattr(decoding, 'translate_lines',
                       lambda *args: alphas.append(args[5]) or [''])
   for flags in ([], ['--alpha=0.3']):
     translate.main([f'--workdir={workdir}', f'--input={source}',

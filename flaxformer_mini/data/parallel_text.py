@@ -16,47 +16,29 @@ TensorFlow at training time.
     silent download attempt.
 """
 
-import gzip
 import hashlib
 import os
-import zlib
 
 import tensorflow_datasets as tfds
 
 from flaxformer_mini.data import DataError
+from flaxformer_mini.data.lines import read_lines
 
 # File prefix -> TFDS split name.
 _SPLIT_NAMES = {'train': 'train', 'val': 'validation'}
-# What a damaged or mis-encoded text file raises while it is read.
-_UNREADABLE = (UnicodeDecodeError, EOFError, zlib.error, gzip.BadGzipFile,
-               OSError)
 
 
-def open_text(path: str):
-  """A text file, gzipped or plain, opened for reading as UTF-8."""
-  opener = gzip.open if path.endswith('.gz') else open
-  return opener(path, 'rt', encoding='utf-8')
+def _count_lines(path: str) -> tuple[int, int]:
+  """(lines, lines with text) of a text file, read as `read_lines` reads it.
 
-
-def _count_lines(path: str) -> int:
-  """Lines of a text file, or a DataError naming the line that cannot be read.
-
-  Read as bytes and decoded line by line, so that an error names its line.
+  Raises:
+    DataError: the file cannot be read (naming its line).
   """
-  opener = gzip.open if path.endswith('.gz') else open
-  count = 0
-  try:
-    with opener(path, 'rb') as f:
-      for line in f:
-        line.decode('utf-8')
-        count += 1
-  except _UNREADABLE as e:
-    why = ('is not UTF-8 text' if isinstance(e, UnicodeDecodeError) else
-           f'is truncated or corrupt ({type(e).__name__}: '
-           f'{str(e).splitlines()[0][:120] if str(e) else ""})')
-    raise DataError(f'{path}: line {count + 1} {why}; fix or replace the '
-                    'file.') from None
-  return count
+  lines = with_text = 0
+  for line in read_lines(path):
+    lines += 1
+    with_text += bool(line.strip())
+  return lines, with_text
 
 
 def _find(directory: str, prefix: str, lang: str) -> str | None:
@@ -88,11 +70,16 @@ def local_split_files(directory: str, languages: tuple[str, str]) -> dict[
       missing = languages[paths.index(None)]
       raise DataError(f'{directory}: {prefix} has no {missing} file '
                       f'({prefix}.{missing}[.gz]).')
-    counts = [_count_lines(path) for path in paths]
-    if counts[0] != counts[1]:
+    (count, text), (other, other_text) = map(_count_lines, paths)
+    if count != other:
       raise DataError(
-          f'{paths[0]} has {counts[0]} lines but {paths[1]} has {counts[1]}: '
+          f'{paths[0]} has {count} lines but {paths[1]} has {other}: '
           'line i of one must translate line i of the other.')
+    for path, lines_with_text in ((paths[0], text), (paths[1], other_text)):
+      if not lines_with_text:
+        why = 'every line is empty' if count else 'the file is empty'
+        raise DataError(f'{path}: no text ({why}); every split needs '
+                        'sentence pairs.')
     splits[_SPLIT_NAMES.get(prefix, prefix)] = tuple(paths)
   for prefix, split in _SPLIT_NAMES.items():
     if split not in splits:
@@ -142,10 +129,31 @@ class LocalParallelText(tfds.core.GeneratorBasedBuilder):
             for split, paths in self._files.items()}
 
   def _generate_examples(self, paths):
-    with open_text(paths[0]) as first, open_text(paths[1]) as second:
-      for index, (a, b) in enumerate(zip(first, second)):
-        yield index, {self._languages[0]: a.strip(),
-                      self._languages[1]: b.strip()}
+    pairs = zip(read_lines(paths[0]), read_lines(paths[1]))
+    for index, (a, b) in enumerate(pairs):
+      yield index, {self._languages[0]: a.strip(),
+                    self._languages[1]: b.strip()}
+
+
+def check_folder(path: str, flag: str, create: bool = True) -> None:
+  """`path` is a folder, or can be one (made if `create`).
+
+  Raises:
+    DataError: naming `flag` where a file stands in the way, or the folder
+      cannot be made.
+  """
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise DataError(f'{flag}={path}: {existing} is a file, not a folder; '
+                    'name a folder.')
+  if create:
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      raise DataError(f'{flag}={path} cannot be made ({e.strerror}); name a '
+                      'folder you can write to.') from None
 
 
 def load_local(files: dict[str, tuple[str, str]], languages: tuple[str, str],
@@ -156,6 +164,7 @@ def load_local(files: dict[str, tuple[str, str]], languages: tuple[str, str],
   what is prepared. Each data source is random-access: `source[i]` is
   {lang: bytes}.
   """
+  check_folder(tfds_dir, '--tfds_dir')
   name = f'{"-".join(sorted(languages))}-{content}'
   builder = LocalParallelText(
       files=files, languages=languages, data_dir=tfds_dir,
@@ -173,6 +182,12 @@ def load_catalog(name: str, tfds_dir: str | None) -> dict:
       `data_source(..., download=False)` would return an empty dict), or it
       has no validation split.
   """
+  if os.path.exists(name):
+    raise DataError(f'--dataset={name} is a path; --dataset takes a TFDS '
+                    'name (e.g. wmt14_translate/de-en): for a folder of '
+                    'text files use --data_dir.')
+  if tfds_dir is not None:
+    check_folder(tfds_dir, '--tfds_dir', create=False)
   if name.startswith('wmt'):
     # Without h5py, the WMT builders register only when imported directly.
     import tensorflow_datasets.translate.wmt14  # pylint: disable=g-import-not-at-top,unused-import
@@ -182,6 +197,13 @@ def load_catalog(name: str, tfds_dir: str | None) -> dict:
   except tfds.core.registered.DatasetNotFoundError as e:
     raise DataError(f'--dataset={name}: TFDS does not know this dataset '
                     f'({str(e).splitlines()[0]}).') from None
+  except Exception as e:  # pylint: disable=broad-except
+    # A name TFDS cannot parse, or another library's ('huggingface:...')
+    # without that library: what TFDS says, in one line.
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise DataError(f'--dataset={name}: TFDS cannot open it ({first[:150]}); '
+                    'name a TFDS catalog dataset, e.g. '
+                    'wmt14_translate/de-en.') from None
   if not builder.is_prepared():
     raise DataError(
         f'--dataset={name} is not prepared in --tfds_dir={tfds_dir}. Prepare '

@@ -23,6 +23,10 @@ def train_tokenizer(sentences: Iterable[str], path: str,
     DataError: the training text cannot make that many pieces.
   """
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  sentences = list(sentences)
+  if not any(sentence.strip() for sentence in sentences):
+    raise DataError('the training split has no text (every sentence is '
+                    'empty): SentencePiece has nothing to learn from.')
   try:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_prefix=path,
@@ -44,8 +48,19 @@ def train_tokenizer(sentences: Iterable[str], path: str,
 
 
 def load_tokenizer(path: str) -> spm.SentencePieceProcessor:
-  """The SentencePiece model `path`.model."""
-  return spm.SentencePieceProcessor(model_file=f'{path}.model')
+  """The SentencePiece model `path`.model.
+
+  Raises:
+    DataError: the file is damaged (cut short by a crash or an interrupted
+      copy), naming it.
+  """
+  try:
+    return spm.SentencePieceProcessor(model_file=f'{path}.model')
+  except (RuntimeError, OSError) as e:
+    raise DataError(
+        f'{path}.model is damaged ({str(e).strip().splitlines()[0][:100]}); '
+        'restore it from a copy of the run, or start over with --fresh '
+        '(which sets the run aside).') from None
 
 
 def check_special_ids(tokenizer: spm.SentencePieceProcessor,

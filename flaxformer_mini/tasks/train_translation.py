@@ -76,6 +76,14 @@ def _differences(prepared: dict, wanted: dict) -> str:
       for key, value in wanted.items() if prepared.get(key) != value)
 
 
+def _readable_vocabulary(workdir: Workdir) -> bool:
+  try:
+    spm_lib.load_tokenizer(workdir.path_of(workdir_lib.TOKENIZER))
+    return True
+  except DataError:
+    return False
+
+
 def _check_prepared(workdir: Workdir, wanted: dict, fresh: bool) -> None:
   """Refuses a workdir prepared from something else (sets it aside: `fresh`).
 
@@ -86,7 +94,7 @@ def _check_prepared(workdir: Workdir, wanted: dict, fresh: bool) -> None:
   earlier = (os.path.isfile(workdir.path_of(workdir_lib.TOKENIZER + '.model'))
              or os.path.isdir(workdir.path_of(workdir_lib.CHECKPOINTS)))
   if fresh:
-    keep = _PREPARED if prepared == wanted else ()
+    keep = _PREPARED if prepared == wanted and _readable_vocabulary(workdir) else ()
     if moved := workdir.set_aside(keep):
       print(f'--fresh: the earlier run is now in {moved}')
   elif prepared is not None and prepared != wanted:
