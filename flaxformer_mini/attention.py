@@ -110,21 +110,9 @@ class MultiHeadAttention(nn.Module):
     dense = functools.partial(nn.Dense, cfg.d_model, dtype=cfg.dtype,
                               dot_general=cpu_kernels.dot_general_for(cfg))
     # 1) Project: W^Q, W^K, W^V of all heads at once, then split d_model
-    #    into h heads of d_k. A key bias would add q.b to every score of a
-    #    row, which softmax ignores (its gradient is exactly zero), so the
-    #    keys have none.
+    #    into h heads of d_k.
     query = split_heads(dense(name='wq')(inputs_q), cfg.num_heads)
-    reuse = incremental and self.cross_attention
-    if reuse and self.has_variable('cross_kv', 'key'):
-      key = self.get_variable('cross_kv', 'key')
-      value = self.get_variable('cross_kv', 'value')
-    else:
-      key = split_heads(dense(use_bias=False, name='wk')(inputs_kv),
-                        cfg.num_heads)
-      value = split_heads(dense(name='wv')(inputs_kv), cfg.num_heads)
-      if reuse and self.is_mutable_collection('cross_kv'):
-        self.put_variable('cross_kv', 'key', key)
-        self.put_variable('cross_kv', 'value', value)
+    key, value = self._keys_and_values(inputs_kv, dense, incremental)
     self.sow('intermediates', 'query', query)
     self.sow('intermediates', 'key', key)
     self.sow('intermediates', 'value', value)
@@ -146,6 +134,28 @@ class MultiHeadAttention(nn.Module):
     output = dense(name='wo')(concatenated)
     self.sow('intermediates', 'output', output)
     return output
+
+  def _keys_and_values(self, inputs_kv, dense, incremental: bool):
+    """inputs_kv W^K and inputs_kv W^V, split into heads.
+
+    inputs_kv: dtype[batch, k_len, d_model] -> key and value, each
+    dtype[batch, heads, k_len, d_k]. A key bias would add q.b to every score
+    of a row, which softmax ignores (its gradient is exactly zero), so the
+    keys have none. In incremental decoding, cross-attention reads them from
+    the 'cross_kv' collection where they are (the encoder output is the same
+    at every step), and stores them there where it is mutable.
+    """
+    reuse = incremental and self.cross_attention
+    if reuse and self.has_variable('cross_kv', 'key'):
+      return (self.get_variable('cross_kv', 'key'),
+              self.get_variable('cross_kv', 'value'))
+    heads = self.config.num_heads
+    key = split_heads(dense(use_bias=False, name='wk')(inputs_kv), heads)
+    value = split_heads(dense(name='wv')(inputs_kv), heads)
+    if reuse and self.is_mutable_collection('cross_kv'):
+      self.put_variable('cross_kv', 'key', key)
+      self.put_variable('cross_kv', 'value', value)
+    return key, value
 
   def _update_cache(self, key, value):
     """Writes the new keys/values at the cache index; returns all of them.

@@ -72,7 +72,7 @@ class PositionalEncoding(nn.Module):
     table = jnp.asarray(sinusoidal_positions(self.config.max_len,
                                              self.config.d_model), x.dtype)
     if not incremental:
-      self.sow('intermediates', 'positional_encoding', table[:length])
+      self.sow('intermediates', 'table', table[:length])
       return x + table[None, :length]
     is_initialized = self.has_variable('cache', 'position')
     position = self.variable('cache', 'position',

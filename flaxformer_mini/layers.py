@@ -8,6 +8,7 @@ deep stacks; the stacks then end with a final LayerNorm (see model.py).
 Shapes: dtype is config.dtype (float32, or bfloat16 for mixed precision).
 """
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
@@ -28,13 +29,12 @@ class FeedForward(nn.Module):
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
     cfg = self.config
-    dot_general = cpu_kernels.dot_general_for(cfg)
-    hidden = nn.relu(nn.Dense(cfg.d_ff, dtype=cfg.dtype,
-                              dot_general=dot_general, name='wi')(x))
+    dense = functools.partial(nn.Dense, dtype=cfg.dtype,
+                              dot_general=cpu_kernels.dot_general_for(cfg))
+    hidden = nn.relu(dense(cfg.d_ff, name='wi')(x))
     hidden = nn.Dropout(cfg.relu_dropout_rate)(hidden,
                                                deterministic=deterministic)
-    return nn.Dense(cfg.d_model, dtype=cfg.dtype, dot_general=dot_general,
-                    name='wo')(hidden)
+    return dense(cfg.d_model, name='wo')(hidden)
 
 
 class AddAndNorm(nn.Module):
@@ -45,7 +45,7 @@ class AddAndNorm(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, sublayer: Callable, deterministic: bool):
+  def __call__(self, x, sublayer: Callable, deterministic: bool = True):
     # Statistics are computed in float32 even when dtype is bfloat16.
     norm = nn.LayerNorm(epsilon=self.config.layer_norm_epsilon,
                         dtype=self.config.dtype)

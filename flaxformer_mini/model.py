@@ -29,7 +29,7 @@ class Encoder(nn.Module):
     cfg = self.config
     tokens = self.embedding(src)
     self.sow('intermediates', 'token_embedding', tokens)
-    x = PositionalEncoding(cfg)(tokens)
+    x = PositionalEncoding(cfg, name='positional_encoding')(tokens)
     self.sow('intermediates', 'embedded', x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     # remat: recompute each layer in the backward pass instead of keeping its
@@ -61,7 +61,8 @@ class Decoder(nn.Module):
     cfg = self.config
     tokens = self.embedding(tgt_in)
     self.sow('intermediates', 'token_embedding', tokens)
-    y = PositionalEncoding(cfg)(tokens, incremental=incremental)
+    y = PositionalEncoding(cfg, name='positional_encoding')(
+        tokens, incremental=incremental)
     self.sow('intermediates', 'embedded', y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
     # Arguments 5 and 6 (deterministic, incremental) are static; decoding has

@@ -31,7 +31,7 @@ from flaxformer_mini.training import init_params
 # Axes of each sown tensor; {q} and {k} are filled in per attention block.
 _AXES = {
     'token_embedding': '[batch, {q}, d_model]',
-    'positional_encoding': '[{q}, d_model]',
+    'table': '[{q}, d_model]',
     'embedded': '[batch, {q}, d_model]',
     'query': '[batch, heads, {q}, d_k]',
     'key': '[batch, heads, {k}, d_k]',
@@ -141,8 +141,7 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
   ]
   flat = flax.traverse_util.flatten_dict(
       flax.core.unfreeze(state['intermediates']))
-  named = {tuple(p for p in path if p != 'PositionalEncoding_0'): value
-           for path, (value,) in flat.items()}
+  named = {path: value for path, (value,) in flat.items()}
   for path in sorted(named, key=_forward_order):
     stops.append(Stop('/'.join(path), _axes(path), as_value(named[path])))
   stops.append(Stop('logits', '[batch, tgt_len, vocab]', as_value(logits)))
