@@ -193,6 +193,8 @@ def main(argv: list[str]) -> None:
       from flaxformer_mini.tasks import train_copy
       train_copy.run(config, path, args.fresh, _START)
     else:
+      if missing := cli.missing_translation_extras():
+        sys.exit(f'train.py: error: {missing}')
       from flaxformer_mini.tasks import train_translation
       train_translation.run(config, path, args.data_dir, args.dataset, args.tfds_dir,
                     args.fresh, _START)

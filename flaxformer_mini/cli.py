@@ -6,7 +6,12 @@ usage block or a traceback.
 """
 
 import argparse
+import importlib
 import math
+
+# What `pip install '.[translate]'` adds, by import name.
+TRANSLATION_MODULES = ('tensorflow_datasets', 'array_record', 'sentencepiece',
+                       'sacrebleu')
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -14,6 +19,19 @@ class OneLineParser(argparse.ArgumentParser):
 
   def error(self, message):
     self.exit(2, f'{self.prog}: error: {message}\n')
+
+
+def missing_translation_extras() -> str | None:
+  """None where translation's extra dependencies import; else the error
+  line that says how to install them."""
+  for name in TRANSLATION_MODULES:
+    try:
+      importlib.import_module(name)
+    except ImportError:
+      return (f'translation needs {name}, one of its extra dependencies: '
+              "install them with pip install -e '.[translate]' (in a clone) "
+              "or pip install 'flaxformer_mini[translate]'.")
+  return None
 
 
 def positive_int(text: str) -> int:

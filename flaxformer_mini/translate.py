@@ -89,6 +89,8 @@ def main(argv: list[str]) -> None:
                       help='sentences per search.')
   compilation_cache.add_flag(parser)
   args = parser.parse_args(argv)
+  if missing := cli.missing_translation_extras():
+    parser.error(missing)
   lines = _input_lines(parser, args.input)
   # JAX loads here, once the flags and the input are known to be good.
   # pylint: disable=g-import-not-at-top

@@ -31,7 +31,6 @@ import jax
 
 from flaxformer_mini import checkpoints as ckpt
 from flaxformer_mini.config import TransformerConfig
-from flaxformer_mini.data import tokenizer as spm_lib
 
 LOCK = '.lock'
 CHECKPOINTS = 'checkpoints'
@@ -217,6 +216,9 @@ def load_run(path: str, which: str = 'best', sharding=None) -> TrainedRun:
         if os.path.isdir(checkpoints.step_path(step)):
           raise
   vocabulary = os.path.join(path, TOKENIZER)
-  tokenizer = (spm_lib.load_tokenizer(vocabulary)
-               if os.path.isfile(vocabulary + '.model') else None)
+  tokenizer = None
+  if os.path.isfile(vocabulary + '.model'):  # a translation run's
+    # pylint: disable-next=g-import-not-at-top
+    from flaxformer_mini.data import tokenizer as spm_lib
+    tokenizer = spm_lib.load_tokenizer(vocabulary)
   return TrainedRun(config, params, which, step, tokenizer)

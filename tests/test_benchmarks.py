@@ -111,6 +111,7 @@ def test_tables_are_the_committed_results(name, raw, document):
   assert text.split(start, 1)[1].split(end, 1)[0].strip() == table.strip()
 
 
+@pytest.mark.slow
 def test_benchmarks_run_on_small_shapes_and_make_tables(tmp_path):
   results = [
       _benchmark('peak.py', '--repeats=1'),
@@ -152,6 +153,7 @@ def test_benchmarks_run_on_small_shapes_and_make_tables(tmp_path):
   assert '(median of 2 seeds), exact match 100% in ' in tables
 
 
+@pytest.mark.slow
 def test_levers_refuses_an_unknown_lever_before_measuring():
   done = subprocess.run(
       [sys.executable, 'levers.py', '--only', 'donated_state', 'cpu_kernel'],
@@ -161,6 +163,7 @@ def test_levers_refuses_an_unknown_lever_before_measuring():
   assert 'cpu_kernels' in done.stderr  # the list of what there is
 
 
+@pytest.mark.slow
 def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
   workdir, _ = tiny_run
   result = _benchmark('translate_command.py', f'--workdir={workdir}',

@@ -306,6 +306,7 @@ def _wait_for_checkpoint(workdir, process, timeout=240):
   raise AssertionError('no checkpoint appeared')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   process = _start_training(tmp_path, '--checkpoint_every=50')
@@ -323,6 +324,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   checkpoints.close()
 
 
+@pytest.mark.slow
 def test_kill_9_again_and_again_while_writing_then_resume_bitwise(tmp_path):
   # Saving a wider model at every step, the process spends much of its time
   # writing. Kill it (SIGKILL) a few times in one workdir, at least once in
@@ -410,6 +412,7 @@ _WRITE_OR_READ = '''
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('writer, reader', [(8, 1), (1, 8)])
 def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
   def run(action, devices):

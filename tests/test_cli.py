@@ -2,10 +2,13 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from flaxformer_mini import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,16 +60,19 @@ def test_override_parses_strings_by_field_type():
       32, True, 0.2, True)
 
 
+@pytest.mark.slow
 def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
   """The default `python train.py --task=copy`, as the README runs it.
 
-  With TensorFlow Datasets made unimportable: the copy task must run where
-  only the accelerator's JAX stack is installed (a GPU image without TFDS).
+  With translation's extra dependencies made unimportable: the copy task
+  runs on what `pip install -e .` installs (and where only an accelerator's
+  JAX stack is, a GPU image without TFDS).
   """
   shadow = tmp_path / 'shadow'
   shadow.mkdir()
-  (shadow / 'tensorflow_datasets.py').write_text(
-      'raise ImportError("the copy task must not need tensorflow_datasets")')
+  for name in cli.TRANSLATION_MODULES:
+    (shadow / f'{name}.py').write_text(
+        f'raise ImportError("the copy task must not need {name}")')
   env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
       [str(shadow), os.environ.get('PYTHONPATH', '')])}
   result = _train('--task=copy', cwd=tmp_path, env=env)
@@ -95,3 +101,24 @@ def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
   assert evals[-5:] == [1.0] * 5
   assert (workdir / 'curves.png').read_bytes()[:4] == b'\x89PNG'
   assert list((workdir / 'tensorboard').glob('events.out.tfevents.*'))
+
+
+def _readme_python() -> list[str]:
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    return re.findall(r'```python\n(.*?)```', f.read(), re.S)
+
+
+@pytest.mark.slow
+def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch):
+  """The README's three Python blocks: a step and the logits of the toy, then
+  translating with a trained workdir (the tiny run's), then decoding under
+  jit, vmap and a mesh, which goes on from the first block's names."""
+  first, translating, decoding = _readme_python()
+  names = {}
+  exec(first, names)  # pylint: disable=exec-used
+  assert names['logits'].shape == (2, 4, 11)
+  assert set(names['metrics']) >= {'loss_sum', 'ntokens', 'correct'}
+  exec(decoding, names)  # pylint: disable=exec-used
+  assert names['a'].shape[0] == 2 and names['groups'].shape[:2] == (1, 2)
+  monkeypatch.chdir(tiny_run[0].parent)
+  exec(translating.replace("'runs/translate'", repr(tiny_run[0].name)), {})  # pylint: disable=exec-used

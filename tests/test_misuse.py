@@ -32,6 +32,8 @@ from flaxformer_mini.training import init_params
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.workdir import Workdir, WorkdirError
 
+# Every case runs a command or a run, as a user meets it: none is quick.
+pytestmark = pytest.mark.slow
 needs_multi30k = pytest.mark.skipif(
     not os.path.isdir(MULTI30K), reason=f'Multi30k is not at {MULTI30K}')
 
@@ -111,6 +113,27 @@ def test_bad_train_flags_are_one_line_before_anything_runs(tmp_path, args,
   _one_line_error(_train('--task=copy', f'--workdir={workdir}', *args), code,
                   *expected)
   assert not workdir.exists()  # nothing left behind
+
+
+def _without(module: str, command: str) -> str:
+  """A Python -c script that runs `command` as if `module` were not installed."""
+  return (f'import runpy, sys; sys.modules[{module!r}] = None; '
+          f'sys.argv = sys.argv[1:]; {command}')
+
+
+def test_translation_without_its_extras_says_how_to_install_them(tmp_path):
+  # A learner's `pip install -e .` leaves out what only translation needs.
+  train = _run('-c', _without('sentencepiece', "runpy.run_path('train.py', "
+                              "run_name='__main__')"), 'train.py',
+               '--task=translate', f'--data_dir={tmp_path}',
+               f'--workdir={tmp_path / "run"}')
+  _one_line_error(train, 1, 'translation needs sentencepiece',
+                  "pip install -e '.[translate]'")
+  translate = _run('-c', _without('sacrebleu', "runpy.run_module("
+                                  "'flaxformer_mini.translate', "
+                                  "run_name='__main__')"), 'translate',
+                   f'--workdir={tmp_path}', stdin=b'Ein Hund.\n')
+  _one_line_error(translate, 2, 'translation needs sacrebleu')
 
 
 def test_a_multihost_run_without_its_peers_says_what_it_waits_for():
@@ -316,7 +339,6 @@ def test_reading_a_run_leaves_a_save_in_flight_alone(tiny_run, tmp_path):
     assert 'encoder/layer_0/self_attention/query' in tour.stdout.decode()
 
 
-@pytest.mark.slow
 @needs_multi30k
 def test_translating_while_training_saves_every_step_harms_neither(
     tiny_run, data_slice, tmp_path):

@@ -9,10 +9,12 @@ that holds.
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from conftest import MULTI30K, ROOT
 
+pytestmark = pytest.mark.slow
 NOTEBOOK = os.path.join(ROOT, 'colab', 'flaxformer_mini.ipynb')
 
 

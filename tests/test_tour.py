@@ -122,6 +122,7 @@ def test_tour_logits_are_the_models(stops, toy_config, toy_params):
   assert jnp.all(stops['batch/tgt_out'].value == batch.tgt_out)
 
 
+@pytest.mark.slow
 def test_the_tour_command_prints_the_table():
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'train.py'), '--task=copy',

@@ -142,6 +142,7 @@ def test_bleu_of_references_against_themselves_is_100():
   assert shouted['bleu'] < 50
 
 
+@pytest.mark.slow
 def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):
   workdir, results = tiny_run
   assert results['steps'] == 12
@@ -178,6 +179,7 @@ def test_a_tiny_translation_run_trains_saves_and_scores(tiny_run):
     assert (workdir / picture).read_bytes()[:4] == b'\x89PNG'
 
 
+@pytest.mark.slow
 def test_translate_command_answers_every_line(tiny_run, tmp_path):
   """... and keeps its compiled programs in --compilation_cache."""
   workdir, _ = tiny_run
@@ -197,6 +199,7 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
   assert 'line 5 has' in result.stderr  # the overlong line is reported
 
 
+@pytest.mark.slow
 def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
                                                           monkeypatch):
   """Without --alpha the command searches as the run's scores were decoded."""
@@ -214,6 +217,7 @@ def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
   assert alphas == [results['config']['eval_alpha'], 0.3] == [0.8, 0.3]
 
 
+@pytest.mark.slow
 def test_train_py_names_bad_translation_input(tmp_path):
   def run(*flags):
     return subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'),
@@ -229,6 +233,7 @@ def test_train_py_names_bad_translation_input(tmp_path):
   assert 'Traceback' not in unknown.stderr
 
 
+@pytest.mark.slow
 def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
   """8 steps, stopped and resumed for 8 more (across an epoch boundary), equal
   16 uninterrupted steps bitwise: the token batches are a function of the step."""

@@ -1,0 +1,47 @@
+"""Fetching Multi30k: whole files or none, checked against the repository's."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MULTI30K, ROOT
+from flaxformer_mini.data import DataError, multi30k
+
+needs_multi30k = pytest.mark.skipif(
+    not os.path.isdir(MULTI30K), reason=f'Multi30k is not at {MULTI30K}')
+# Port 9 (discard) of this machine refuses connections: offline, at once.
+_NOWHERE = 'http://127.0.0.1:9/'
+
+
+@needs_multi30k
+def test_the_pinned_checksums_are_those_of_the_files():
+  assert multi30k.missing(MULTI30K) == []
+
+
+@needs_multi30k
+def test_a_file_cut_short_is_fetched_again(tmp_path, monkeypatch):
+  monkeypatch.setattr(multi30k, 'URL', f'file://{MULTI30K}/')  # the local copy
+  whole = (open(os.path.join(MULTI30K, 'val.en.gz'), 'rb').read())
+  (tmp_path / 'val.en.gz').write_bytes(whole[:1000])
+  assert 'val.en.gz' in multi30k.missing(str(tmp_path))
+  assert sorted(multi30k.download(str(tmp_path))) == sorted(multi30k.SHA256)
+  assert multi30k.missing(str(tmp_path)) == []
+  assert multi30k.download(str(tmp_path)) == []  # whole files are kept
+  assert not [name for name in os.listdir(tmp_path) if name.endswith('.part')]
+
+
+def test_no_internet_is_one_clear_error(tmp_path, monkeypatch):
+  monkeypatch.setattr(multi30k, 'URL', _NOWHERE)
+  with pytest.raises(DataError, match='could not fetch .* check the internet '
+                     'connection'):
+    multi30k.download(str(tmp_path / 'data'))
+  result = subprocess.run(
+      [sys.executable, '-c', 'import sys; from flaxformer_mini.data import '
+       f'multi30k; multi30k.URL = {_NOWHERE!r}; multi30k.main(sys.argv[1:])',
+       str(tmp_path / 'data')], capture_output=True, text=True, cwd=ROOT,
+      timeout=120)
+  assert result.returncode == 1
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith('multi30k: error: could not fetch')
