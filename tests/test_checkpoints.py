@@ -24,6 +24,9 @@ from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
 from flaxformer_mini.workdir import AVERAGED, load_run
 
+# Whole training runs: saved, resumed, damaged, interrupted.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -306,7 +309,6 @@ def _wait_for_checkpoint(workdir, process, timeout=240):
   raise AssertionError('no checkpoint appeared')
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   process = _start_training(tmp_path, '--checkpoint_every=50')
@@ -324,7 +326,6 @@ def test_a_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
   checkpoints.close()
 
 
-@pytest.mark.slow
 def test_kill_9_again_and_again_while_writing_then_resume_bitwise(tmp_path):
   # Saving a wider model at every step, the process spends much of its time
   # writing. Kill it (SIGKILL) a few times in one workdir, at least once in
@@ -412,7 +413,6 @@ _WRITE_OR_READ = '''
 '''
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize('writer, reader', [(8, 1), (1, 8)])
 def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
   def run(action, devices):
@@ -481,7 +481,8 @@ def test_a_budget_too_short_for_the_saves_says_so_at_the_first_log(
 def test_a_time_budget_stops_with_a_checkpoint(tmp_path, cfg):
   state, _ = _train_in(tmp_path, cfg.replace(train_steps=10_000,
                                              max_train_minutes=1e-6))
-  assert int(state.step) == cfg.log_every  # the first check: the first log
+  # At the first check: the first log, or 2 s into a first step that compiles.
+  assert 1 <= int(state.step) <= cfg.log_every
   checkpoints = ckpt.Checkpoints(str(tmp_path / 'checkpoints'))
-  assert checkpoints.latest_step() == cfg.log_every
+  assert checkpoints.latest_step() == int(state.step)
   checkpoints.close()

@@ -346,7 +346,7 @@ def test_translating_while_training_saves_every_step_harms_neither(
   # run that saves a checkpoint at every step: the run ends bitwise equal to
   # the same run undisturbed, every step it saved reads back, and every
   # translation is whole.
-  end = 12 + 150
+  end = 12 + 40
   flags = [f'--data_dir={data_slice}', *tiny_translation_flags(
       train_steps=end, checkpoint_every=1, log_every=1, eval_every=100_000,
       keep_checkpoints=1000, average_last=0)]
@@ -354,7 +354,9 @@ def test_translating_while_training_saves_every_step_harms_neither(
   for name in ('disturbed', 'undisturbed'):
     runs[name] = tmp_path / name
     shutil.copytree(tiny_run[0], runs[name])
-  calm = _train(*flags, f'--workdir={runs["undisturbed"]}', timeout=600)
+  # The same run, saving only at its end (saving changes no number).
+  calm = _train(*flags, '--checkpoint_every=0',
+                f'--workdir={runs["undisturbed"]}', timeout=600)
   assert calm.returncode == 0, calm.stderr.decode()[-3000:]
 
   workdir = runs['disturbed']
@@ -380,7 +382,7 @@ def test_translating_while_training_saves_every_step_harms_neither(
       training.kill()
     _, err = training.communicate(timeout=600)
   assert training.returncode == 0, err.decode()[-3000:]
-  assert during >= 2, 'no translation ran while the run was saving'
+  assert during >= 1, 'no translation ran while the run was saving'
   for result in translations:
     assert result.returncode == 0 and result.stderr == b'', (
         result.stderr.decode()[-2000:])
@@ -779,14 +781,13 @@ def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
 
 
 @needs_multi30k
-@pytest.mark.parametrize('separator', ['\u2028', '\x0c', '\x85', '\x1d',
-                                       '\u2029', '\x0b'])
-def test_every_input_line_gets_its_own_output_line(tiny_run, tmp_path,
-                                                   separator):
-  # [x06, x06b] Only '\n' ends a line, on stdin and from --input alike.
+def test_every_input_line_gets_its_own_output_line(tiny_run, tmp_path):
+  # [x06, x06b] Only '\n' ends a line, on stdin and from --input alike,
+  # whatever other separators (U+2028, form feed, NEL, ...) a line holds.
   workdir, _ = tiny_run
-  text = (f'Ein Mann{separator}fährt Fahrrad.\nZwei Hunde.\n\nEin Hund '
-          f'{separator} läuft.\n')
+  separators = ['\u2028', '\x0c', '\x85', '\x1d', '\u2029', '\x0b']
+  text = ''.join(f'Ein Mann{s}fährt Fahrrad.\nZwei Hunde.\n\nEin Hund {s} '
+                 'läuft.\n' for s in separators)
   piped = _translate(f'--workdir={workdir}', '--beam_size=1',
                      stdin=text.encode())
   path = tmp_path / 'input.txt'
@@ -796,7 +797,8 @@ def test_every_input_line_gets_its_own_output_line(tiny_run, tmp_path,
   for result in (piped, from_file):
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     outputs = result.stdout.decode().split('\n')[:-1]
-    assert len(outputs) == 4 and outputs[2] == ''
+    assert len(outputs) == 4 * len(separators)
+    assert all(line == '' for line in outputs[2::4])
   assert piped.stdout == from_file.stdout
 
 

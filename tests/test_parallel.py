@@ -14,6 +14,9 @@ import textwrap
 import numpy as np
 import pytest
 
+# 8 simulated devices and 2 processes each need a process of their own.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -121,7 +124,6 @@ def test_a_batch_that_does_not_divide_is_refused(equivalence_report):
   assert 'does not divide over 8 devices' in equivalence_report['indivisible']
 
 
-@pytest.mark.slow
 def test_train_py_refuses_an_indivisible_batch_in_one_line():
   result = _run([os.path.join(ROOT, 'train.py'), '--task=copy',
                  '--batch_size=60'])
@@ -131,7 +133,6 @@ def test_train_py_refuses_an_indivisible_batch_in_one_line():
   assert 'multiple of 8' in lines[0]
 
 
-@pytest.mark.slow
 def test_train_py_on_eight_devices_takes_the_one_device_steps(tmp_path):
   # The whole command (batches, the mapped step, logging, the final
   # evaluation) on 8 devices: the same losses and exact match as on 1. That
@@ -183,7 +184,6 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_train_in_lockstep_like_one(tmp_path):
   port = str(_free_port())
   env = dict(os.environ, JAX_PLATFORMS='cpu',
