@@ -6,9 +6,12 @@ compiled program is far cheaper than compiling it again on a 2-core machine.
 """
 
 import dataclasses
+import fcntl
 import functools
 import gzip
+import json
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
@@ -48,15 +51,28 @@ def multi30k_lines(split, lang, count=None):
   return lines[:count] if count else lines
 
 
-@pytest.fixture(scope='session')
-def data_slice(tmp_path_factory):
-  """300 training pairs (plus an empty and an overlong one), 30 val, 30 test.
+def _built_once(tmp_path_factory, name: str, build):
+  """tmp/name, made by build(directory) once per test session.
 
-  Written half gzipped, half plain, as the builder reads both.
+  Under pytest-xdist each worker has its own session: the first to get here
+  builds under a lock in the folder the workers share, the others wait and
+  use what it built.
   """
-  if not os.path.isdir(MULTI30K):
-    pytest.skip(f'Multi30k is not at {MULTI30K}')
-  directory = tmp_path_factory.mktemp('slice')
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent
+  directory = root / name
+  with open(root / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (directory / '.built').exists():
+      shutil.rmtree(directory, ignore_errors=True)
+      directory.mkdir()
+      build(directory)
+      (directory / '.built').touch()
+  return directory
+
+
+def _write_data_slice(directory):
   for split, count in (('train', 300), ('val', 30), ('test_2016_flickr', 30)):
     for lang in ('de', 'en'):
       lines = multi30k_lines(split, lang, count)
@@ -69,7 +85,17 @@ def data_slice(tmp_path_factory):
         with gzip.open(directory / f'{split}.{lang}.gz', 'wt',
                        encoding='utf-8') as f:
           f.write(text)
-  return directory
+
+
+@pytest.fixture(scope='session')
+def data_slice(tmp_path_factory):
+  """300 training pairs (plus an empty and an overlong one), 30 val, 30 test.
+
+  Written half gzipped, half plain, as the builder reads both.
+  """
+  if not os.path.isdir(MULTI30K):
+    pytest.skip(f'Multi30k is not at {MULTI30K}')
+  return _built_once(tmp_path_factory, 'slice', _write_data_slice)
 
 
 def tiny_translation_config():
@@ -100,12 +126,17 @@ def tiny_translation_flags(**changes) -> list[str]:
 
 @pytest.fixture(scope='session')
 def tiny_run(data_slice, tmp_path_factory):
-  """A finished tiny translation run on data_slice: (workdir, results)."""
+  """A finished tiny translation run on data_slice: (workdir, results).
+
+  Shared by every test (and worker) of a session: read it, or copy it to
+  change it.
+  """
   from flaxformer_mini.tasks import train_translation  # pylint: disable=g-import-not-at-top
-  workdir = tmp_path_factory.mktemp('translate')
-  results = train_translation.run(tiny_translation_config(), str(workdir),
-                          data_dir=str(data_slice))
-  return workdir, results
+  workdir = _built_once(
+      tmp_path_factory, 'tiny_run', lambda directory: train_translation.run(
+          tiny_translation_config(), str(directory / 'run'),
+          data_dir=str(data_slice))) / 'run'
+  return workdir, json.loads((workdir / 'results.json').read_text())
 
 
 @pytest.fixture(scope='session')
