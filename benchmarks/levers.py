@@ -270,8 +270,9 @@ def batches_during_step(repeats: int) -> dict:
                  _copy_training_loop(50, 'block'), repeats)
 
 
-def _multi30k_train_pairs(data_dir: str, config) -> batching.Filtered:
-  """Multi30k's de-en training pairs as ids of a vocabulary trained here."""
+def _multi30k_train_pairs(data_dir: str, config) -> batching.Pairs:
+  """Multi30k's de-en training pairs as ids of a vocabulary trained here
+  (those that TokenBatches keeps: not empty, within max_len)."""
   paths = parallel_text.local_split_files(
       data_dir, (config.src_lang, config.tgt_lang))['train']
 
@@ -281,7 +282,9 @@ def _multi30k_train_pairs(data_dir: str, config) -> batching.Filtered:
                                         os.path.join(vocab_dir, 'spm'), config)
   encode = lambda texts: [np.asarray(ids, np.int32)
                           for ids in tokenizer.encode(texts)]
-  return batching.filter_pairs(encode(src), encode(tgt), config.max_len)
+  kept = [(s, t) for s, t in zip(encode(src), encode(tgt))
+          if 0 < len(s) < config.max_len and 0 < len(t) < config.max_len]
+  return batching.Pairs([s for s, _ in kept], [t for _, t in kept])
 
 
 def bounded_shapes(data_dir: str) -> dict:
@@ -290,8 +293,7 @@ def bounded_shapes(data_dir: str) -> dict:
                        'Multi30k task-1 raw files)'}
   config = get_config('translate')
   pairs = _multi30k_train_pairs(data_dir, config)
-  buckets = batching.TokenBatches(pairs.src, pairs.tgt, config,
-                                  config.tokens_per_batch)
+  buckets = batching.TokenBatches(pairs, config, config.tokens_per_batch)
   plan = buckets.epoch_batches()
   # One batch's sentences of each bucket length, to compile.
   bucketed = dict(plan)

@@ -9,9 +9,9 @@ import argparse
 import importlib
 import math
 
-# What `pip install '.[translate]'` adds, by import name.
-TRANSLATION_MODULES = ('tensorflow_datasets', 'array_record', 'sentencepiece',
-                       'sacrebleu')
+# What `pip install '.[translate]'` adds, by import name (array_record, the
+# prepared data's format, comes with grain, a dependency of every install).
+TRANSLATION_MODULES = ('tensorflow_datasets', 'sentencepiece', 'sacrebleu')
 
 
 class OneLineParser(argparse.ArgumentParser):

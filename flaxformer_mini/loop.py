@@ -1,7 +1,8 @@
 """The training loop around the pure step: progress, checkpoints, signals, guards.
 
 The loop keeps each step's metrics on the device and fetches them every
-`log_every` steps, so the host never waits for the device between two logs.
+`log_every` steps, so the host never waits for the device between two logs,
+and the next batches are made in threads (grain) while the device runs.
 It saves a checkpoint every `checkpoint_every` steps, at every evaluation and
 at the end; stops within --max_train_minutes, checked at every log and at
 least every few seconds; turns SIGINT / SIGTERM into a last checkpoint and a
@@ -11,9 +12,10 @@ last fetch and the state itself are checked before every save.
 
 import contextlib
 import dataclasses
+import logging
 import signal
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +109,41 @@ def _all_finite(tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+# Batches made ahead of the step that takes them, by this many threads: the
+# next batches are read and padded while the device runs the current step.
+# One thread makes millions of target tokens a second, and more contend for
+# the interpreter (docs/performance.md, "Input").
+PREFETCH_BATCHES = 4
+INPUT_THREADS = 1
+
+
+class _QuietGrain(logging.Filter):
+  """grain's import-time warning about its profiler and older jaxlibs."""
+
+  def filter(self, record):
+    return 'multiprocess worker profiling' not in record.getMessage()
+
+
+_QUIET_GRAIN = _QuietGrain()
+
+
+def prefetched(batch_at: Callable[[int], Batch], start: int,
+               stop: int) -> Iterator[Batch]:
+  """batch_at(start), ..., batch_at(stop - 1), made ahead in threads (grain).
+
+  Steps are the dataset's indices, so the order is the steps' whatever the
+  threads do, and a resumed run (a later `start`) reads the same batches.
+  Close the iterator when done with it (`.close()`).
+  """
+  # Imported here, after a filter: with jaxlib before 0.11 (Colab's 0.7.2)
+  # grain warns at import about a profiler this project does not use.
+  logging.getLogger('absl').addFilter(_QUIET_GRAIN)
+  import grain  # pylint: disable=g-import-not-at-top
+  dataset = grain.MapDataset.range(start, stop).map(batch_at)
+  return iter(dataset.to_iter_dataset(grain.ReadOptions(
+      num_threads=INPUT_THREADS, prefetch_buffer_size=PREFETCH_BATCHES)))
 
 
 # The time budget is checked at every log and, between logs, at least this
@@ -220,8 +257,11 @@ def train(config: TransformerConfig, state: TrainState, rng,
           parallel: DataParallel | None = None,
           checkpoints: Checkpoints | None = None,
           log: logbook.Logbook | None = None,
-          signals: SignalCatcher | None = None):
+          signals: SignalCatcher | None = None,
+          timings: dict | None = None):
   """Runs the data-parallel train_step from state.step to config.train_steps.
+
+  The batches are made ahead in threads (`prefetched`) while the device runs.
 
   Args:
     config: the run's config.
@@ -234,6 +274,8 @@ def train(config: TransformerConfig, state: TrainState, rng,
     checkpoints: where to save every `checkpoint_every` steps and at the end.
     log: where each logged record goes as well (metrics.jsonl, TensorBoard).
     signals: the run's SignalCatcher (default: one for this loop alone).
+    timings: where given, gets 'first_step': the time.perf_counter() at which
+      the first step was dispatched (compiled, running).
 
   Returns:
     (final state, history): one dict per log with step, loss, accuracy,
@@ -259,8 +301,12 @@ def train(config: TransformerConfig, state: TrainState, rng,
     stack.enter_context(signals.deferred())
     if checkpoints is not None:  # before the signals stop being deferred
       stack.callback(checkpoints.wait)
-    for step in range(first_step, config.train_steps):
-      steps.take(batch_at(step))
+    batches = prefetched(batch_at, first_step, config.train_steps)
+    stack.callback(batches.close)
+    for _ in range(first_step, config.train_steps):
+      steps.take(next(batches))
+      if timings is not None and 'first_step' not in timings:
+        timings['first_step'] = time.perf_counter()
       logged = (steps.done % config.log_every == 0 or
                 steps.done == config.train_steps)
       if logged:
@@ -370,6 +416,7 @@ class TrainingRun:
   rng: jax.Array
   resumed_from: int
   log: logbook.Logbook | None  # None on processes other than the first
+  timings: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
   def open(cls, config: TransformerConfig, workdir: Workdir,
@@ -393,7 +440,8 @@ class TrainingRun:
             signals: SignalCatcher):
     """loop.train from the opened state; -> (final state, history)."""
     return train(self.config, self.state, self.rng, batch_at, evaluate,
-                 self.parallel, self.checkpoints, self.log, signals)
+                 self.parallel, self.checkpoints, self.log, signals,
+                 self.timings)
 
   def close(self, title: str) -> None:
     """Waits for the last checkpoint; closes the logbook and draws curves.png."""
@@ -417,6 +465,10 @@ class TrainingRun:
         **outcome,
         'checkpoints': self.checkpoints.directory,
         'wall_seconds': time.perf_counter() - start_time,
+        # From the start to the first step running: preparing (or finding)
+        # the data, restoring and compiling.
+        'seconds_to_first_step': (self.timings['first_step'] - start_time
+                                  if 'first_step' in self.timings else None),
         'history': history,
     }
 

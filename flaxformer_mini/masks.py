@@ -6,6 +6,7 @@ heads axis so that they broadcast over [batch, heads, q_len, k_len].
 
 import flax.struct
 import jax.numpy as jnp
+import numpy as np
 
 from flaxformer_mini.config import TransformerConfig
 
@@ -16,8 +17,12 @@ def padding_mask(ids, pad_id: int):
 
 
 def causal_mask(length: int):
-  """The subsequent mask: position i may attend to j <= i. -> bool[1, 1, len, len]."""
-  return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+  """The subsequent mask: position i may attend to j <= i. -> bool[1, 1, len, len].
+
+  A numpy constant: inside jit it is folded into the program, and a batch
+  made on the host stays on the host.
+  """
+  return np.tril(np.ones((length, length), dtype=bool))[None, None]
 
 
 def target_mask(tgt_in, pad_id: int):
@@ -52,15 +57,18 @@ class Batch:
 
 
 def make_batch(src, tgt, config: TransformerConfig) -> Batch:
-  """Builds a Batch from pad-filled ids.
+  """Builds a Batch from pad-filled ids, on the host: numpy arrays, which
+  every JAX function takes as they are (the input pipeline makes batches in
+  threads and the step places them on the devices; nothing is computed on a
+  device or compiled to make one).
 
   Args:
     src: int32[batch, src_len].
     tgt: int32[batch, tgt_len + 1], each row bos, the sentence, eos, then pad.
     config: supplies pad_id.
   """
-  src = jnp.asarray(src, jnp.int32)
-  tgt = jnp.asarray(tgt, jnp.int32)
+  src = np.asarray(src, np.int32)
+  tgt = np.asarray(tgt, np.int32)
   tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
   return Batch(
       src=src,
@@ -68,4 +76,4 @@ def make_batch(src, tgt, config: TransformerConfig) -> Batch:
       tgt_out=tgt_out,
       src_mask=padding_mask(src, config.pad_id),
       tgt_mask=target_mask(tgt_in, config.pad_id),
-      ntokens=jnp.sum(tgt_out != config.pad_id).astype(jnp.int32))
+      ntokens=np.int32(np.sum(tgt_out != config.pad_id)))

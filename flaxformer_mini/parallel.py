@@ -19,7 +19,6 @@ import socket
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -89,19 +88,24 @@ def _wait_for_port(address: str, timeout_s: int) -> None:
       time.sleep(1)
 
 
-def check_divisible(batch_size: int, what: str = 'batch_size') -> None:
-  """A clear error, before compiling, when a batch cannot be split evenly.
+def check_divisible(batch_size: int, what: str = 'batch_size',
+                    micro_batches: int = 1) -> None:
+  """A clear error, before compiling, when a batch cannot be split evenly
+  over the devices and into `micro_batches` (gradient accumulation).
 
   Raises:
     ConfigError: naming `what`.
   """
   devices = jax.device_count()
-  if batch_size % devices:
-    lower = batch_size - batch_size % devices
+  multiple = devices * micro_batches
+  if batch_size % multiple:
+    lower = batch_size - batch_size % multiple
+    over = f'{devices} devices' + (
+        f' x {micro_batches} micro-batches (grad_accumulation)'
+        if micro_batches > 1 else '')
     raise ConfigError(
-        f'{what}={batch_size} does not divide over {devices} devices; use a '
-        f'multiple of {devices} (e.g. {lower or devices} or '
-        f'{lower + devices}).')
+        f'{what}={batch_size} does not divide over {over}; use a multiple '
+        f'of {multiple} (e.g. {lower or multiple} or {lower + multiple}).')
 
 
 def pad_rows(array: np.ndarray, multiple: int, pad_id: int) -> np.ndarray:
@@ -117,8 +121,9 @@ def pad_rows(array: np.ndarray, multiple: int, pad_id: int) -> np.ndarray:
 
 def _shard_token_counts(tgt_out, shards: int, pad_id: int):
   """Real target tokens of each consecutive block of rows: -> int32[shards]."""
-  per_row = jnp.sum(jnp.asarray(tgt_out) != pad_id, axis=1)
-  return per_row.reshape(shards, -1).sum(axis=1).astype(jnp.int32)
+  # numpy: the batch is on the host, and jnp would compile for every shape.
+  per_row = np.sum(np.asarray(tgt_out) != pad_id, axis=1)
+  return per_row.reshape(shards, -1).sum(axis=1).astype(np.int32)
 
 
 def host_rows(array):
@@ -215,7 +220,8 @@ class DataParallel:
     ConfigError when the rows do not divide over the devices.
     """
     rows = batch.src.shape[0] * jax.process_count()
-    check_divisible(rows, 'the global batch size')
+    check_divisible(rows, 'the global batch size',
+                    self.config.grad_accumulation)
     counts = _shard_token_counts(batch.tgt_out, jax.local_device_count(),
                                  self.config.pad_id)
     return jax.tree.map(self.put_rows, batch.replace(ntokens=counts))

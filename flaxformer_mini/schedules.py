@@ -52,5 +52,15 @@ def learning_rate_schedule(config: TransformerConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: TransformerConfig) -> optax.GradientTransformation:
-  """The paper's Adam: beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9."""
-  return optax.adam(learning_rate_schedule(config), b1=0.9, b2=0.98, eps=1e-9)
+  """The paper's Adam: beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9.
+
+  With config.grad_accumulation = N > 1, inside optax.MultiSteps: Adam
+  updates once every N calls, with the sum of the N gradients it was given
+  (each already divided by the whole batch's tokens: see train_step).
+  """
+  adam = optax.adam(learning_rate_schedule(config), b1=0.9, b2=0.98,
+                    eps=1e-9)
+  if config.grad_accumulation == 1:
+    return adam
+  return optax.MultiSteps(adam, every_k_schedule=config.grad_accumulation,
+                          use_grad_mean=False).gradient_transformation()

@@ -9,6 +9,7 @@ they add up exactly over steps, devices and hosts.
 import flax.training.train_state
 import jax
 import jax.numpy as jnp
+import optax
 
 from flaxformer_mini import losses
 from flaxformer_mini.config import TransformerConfig
@@ -47,9 +48,27 @@ def _loss_and_metrics(params, batch: Batch, config: TransformerConfig,
   return loss_sum, metrics
 
 
+def _micro_batches(batch: Batch, count: int, pad_id: int) -> Batch:
+  """batch: [rows, ...] arrays -> `count` micro-batches, [count, rows / count, ...]."""
+  split = lambda x: x.reshape((count, x.shape[0] // count) + x.shape[1:])
+  tgt_out = split(batch.tgt_out)
+  return Batch(src=split(batch.src), tgt_in=split(batch.tgt_in),
+               tgt_out=tgt_out, src_mask=split(batch.src_mask),
+               tgt_mask=split(batch.tgt_mask),
+               ntokens=jnp.sum(tgt_out != pad_id, axis=(1, 2)))
+
+
 def train_step(state: TrainState, batch: Batch, rng,
                config: TransformerConfig, axis_name: str | None = None):
   """One optimizer update on the mean loss per real target token.
+
+  With config.grad_accumulation = N > 1 the batch is taken as N
+  micro-batches of rows / N rows, one after another (a `lax.scan`, so only
+  one micro-batch's activations are alive at a time): each one's gradient,
+  divided by the real target tokens of the whole batch, goes to optax's
+  MultiSteps, which sums them and updates the parameters once with the
+  sum, the gradient of the whole batch. The step counts updates, not
+  micro-batches.
 
   Args:
     state: the TrainState (params, optimizer state, step). The model is
@@ -57,8 +76,9 @@ def train_step(state: TrainState, batch: Batch, rng,
     batch: a Batch of [batch, len] arrays (this device's share of the global
       batch when mapped over devices).
     rng: the run's base PRNG key; the dropout key of this step is derived from
-      it, the step number and the device index, so a resumed run draws the
-      same dropout masks and no two devices draw the same.
+      it, the step number and the device index (and the micro-batch), so a
+      resumed run draws the same dropout masks and no two devices draw the
+      same.
     config: static.
     axis_name: the device axis when the step runs inside shard_map (or pmap);
       gradients and metrics are then summed over it, so the update is that of
@@ -72,15 +92,41 @@ def train_step(state: TrainState, batch: Batch, rng,
   if axis_name is not None:
     dropout_rng = jax.random.fold_in(dropout_rng,
                                      jax.lax.axis_index(axis_name))
-  grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
-      state.params, batch, config, False, dropout_rng)
+  # Gradient of the summed loss / tokens = gradient of the per-token mean,
+  # the tokens being those of the global batch, every micro-batch included.
+  denominator = jnp.sum(batch.tgt_out != config.pad_id)
   if axis_name is not None:
-    grads, metrics = jax.lax.psum((grads, metrics), axis_name)
-  # Gradient of the summed loss / tokens = gradient of the per-token mean.
-  denominator = jnp.maximum(metrics['ntokens'], 1).astype(jnp.float32)
-  grads = jax.tree.map(lambda g: g / denominator, grads)
+    denominator = jax.lax.psum(denominator, axis_name)
+  denominator = jnp.maximum(denominator, 1).astype(jnp.float32)
+
+  def gradients(params, micro_batch: Batch, key):
+    grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
+        params, micro_batch, config, False, key)
+    if axis_name is not None:
+      grads, metrics = jax.lax.psum((grads, metrics), axis_name)
+    return jax.tree.map(lambda g: g / denominator, grads), metrics
+
+  count = config.grad_accumulation
+  if count == 1:
+    grads, metrics = gradients(state.params, batch, dropout_rng)
+    new_state = state.apply_gradients(grads=grads)
+  else:
+    def micro_step(carry, micro):
+      params, opt_state = carry
+      index, micro_batch = micro
+      grads, metrics = gradients(params, micro_batch,
+                                 jax.random.fold_in(dropout_rng, index))
+      updates, opt_state = state.tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), metrics
+
+    (params, opt_state), metrics = jax.lax.scan(
+        micro_step, (state.params, state.opt_state),
+        (jnp.arange(count), _micro_batches(batch, count, config.pad_id)))
+    metrics = jax.tree.map(lambda m: m.sum(axis=0), metrics)
+    new_state = state.replace(step=state.step + 1, params=params,
+                              opt_state=opt_state)
   metrics['learning_rate'] = learning_rate_schedule(config)(state.step)
-  return state.apply_gradients(grads=grads), metrics
+  return new_state, metrics
 
 
 def eval_step(params, batch: Batch, config: TransformerConfig,

@@ -42,6 +42,7 @@ CURVES = 'curves.png'
 BLEU_CURVE = 'bleu.png'
 TOKENIZER = 'spm'  # the prefix of spm.model and spm.vocab
 TFDS = 'tfds'
+TOKENS = 'tokens'  # the tokenized splits (data/tokenized.py)
 PREPARED = 'prepared.json'
 SET_ASIDE_PREFIX = 'set-aside-'
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from conftest import ROOT
+from conftest import MULTI30K, ROOT
 from flaxformer_mini.config import get_config
 from flaxformer_mini.masks import make_batch
 from flaxformer_mini.training import create_train_state, train_step
@@ -178,3 +178,35 @@ def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
   assert command['speed_up_over_one_stage'] == pytest.approx(
       one_stage['seconds'] / command['seconds'])
   assert result['search']['batch'] == 8
+
+
+@pytest.mark.slow
+def test_the_input_benchmark_measures_a_synthetic_corpus(tmp_path):
+  if not os.path.isdir(MULTI30K):
+    pytest.skip(f'Multi30k is not at {MULTI30K}')
+  corpus = tmp_path / 'corpus'
+  written = []
+  for _ in range(2):  # deterministic: the same files twice
+    subprocess.run([sys.executable, 'synthetic_corpus.py', MULTI30K,
+                    str(corpus), '--pairs=700'], cwd=BENCHMARKS, check=True,
+                   capture_output=True)
+    written.append([(corpus / f'train.{lang}').read_text()
+                    for lang in ('de', 'en')])
+  assert written[0] == written[1]
+  assert [len(text.splitlines()) for text in written[0]] == [700, 700]
+  assert sorted(os.listdir(corpus)) == sorted(
+      ['train.de', 'train.en', 'val.de.gz', 'val.en.gz',
+       'test_2016_flickr.de.gz', 'test_2016_flickr.en.gz'])
+  result = _benchmark('input_pipeline.py', str(corpus), '--steps=3',
+                      '--vocab_size=300', '--config=multi30k')
+  record, = result['corpora']
+  assert record['pairs'] == 700
+  for start in ('first_start', 'second_start'):
+    assert 0 < record[start]['seconds_to_first_step'] < record[start]['wall_s']
+    assert record[start]['peak_rss_mb'] > 100
+  assert [run['threads'] for run in record['input']][0] == 1
+  assert all(run['target_tokens_per_s'] > 0 for run in record['input'])
+  assert 0 <= record['padding']['bucketed']['padding'] < 1
+  assert record['padding']['packed']['shapes'] == 1
+  assert record['host_loop']['ceiling_steps_per_s'] > 0
+  assert 0 <= record['host_loop']['host_wait_share'] <= 1

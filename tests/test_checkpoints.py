@@ -428,6 +428,21 @@ def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
     assert result.stdout.split()[-2:] == ['ok', str(devices)]
 
 
+def _one_second_a_step(monkeypatch) -> dict:
+  """A clock for the loop that moves one second with every step it takes
+  (batches are made ahead in another thread, so not when they are made)."""
+  clock = {'now': 0.0}
+  monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
+  take = loop._Steps.take  # pylint: disable=protected-access
+
+  def timed_take(self, batch):
+    clock['now'] += 1.0
+    take(self, batch)
+
+  monkeypatch.setattr(loop._Steps, 'take', timed_take)  # pylint: disable=protected-access
+  return clock
+
+
 @pytest.mark.parametrize('log_every', [5, 100_000])
 def test_a_time_budget_stops_before_the_next_check_would_pass_it(
     monkeypatch, cfg, log_every):
@@ -436,13 +451,8 @@ def test_a_time_budget_stops_before_the_next_check_would_pass_it(
   # each check judging the next interval by the last, so 12.5 seconds hold
   # 12 steps however rarely the run logs.
   assert loop.BUDGET_CHECK_SECONDS == 2.0
-  clock = {'now': 0.0}
-  monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
-
-  def batch_at(step):
-    clock['now'] += 1.0
-    return copy_task.train_batch(cfg, step)
-
+  _one_second_a_step(monkeypatch)
+  batch_at = functools.partial(copy_task.train_batch, cfg)
   budget = cfg.replace(train_steps=10_000, log_every=log_every,
                        max_train_minutes=12.5 / 60)
   state, _ = loop.train(budget, create_train_state(budget,
@@ -465,13 +475,8 @@ def test_a_time_budget_stops_before_the_next_check_would_pass_it(
 def test_a_budget_too_short_for_the_saves_says_so_at_the_first_log(
     monkeypatch, capsys, cfg, changes, says):
   # One second per step: a 12-second budget.
-  clock = {'now': 0.0}
-  monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
-
-  def batch_at(step):
-    clock['now'] += 1.0
-    return copy_task.train_batch(cfg, step)
-
+  _one_second_a_step(monkeypatch)
+  batch_at = functools.partial(copy_task.train_batch, cfg)
   budget = cfg.replace(train_steps=10_000, max_train_minutes=0.2, **changes)
   loop.train(budget, create_train_state(budget, jax.random.key(0)),
              jax.random.key(1), batch_at)

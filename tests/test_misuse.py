@@ -470,10 +470,10 @@ def test_the_same_data_at_another_path_is_accepted_with_a_note(
   moved = tmp_path / 'moved'
   shutil.copytree(data_slice, moved)
   with Workdir(str(workdir)) as held:
-    texts, _ = train_translation.prepare(tiny_translation_config(), held,
-                                         str(moved), None, None, fresh=False)
+    data = train_translation.prepare(tiny_translation_config(), held,
+                                     str(moved), None, None, fresh=False)
     assert held.read_json(workdir_lib.PREPARED)['source'] == str(moved)
-  assert len(texts['train'][0]) == 302
+  assert len(data.train) == 302
   assert (f'the data moved from {os.path.realpath(data_slice)} to {moved} '
           '(the same contents)') in capsys.readouterr().out
 
@@ -759,8 +759,9 @@ def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
   _write(other / 'train.de.gz', ['ein anderer Satz'] * 300 + ['', 'x'])
   workdir = tmp_path / 'run'
   with Workdir(str(workdir)) as held:
-    texts, _ = train_translation.prepare(config, held, str(data_slice), None,
-                                      None, fresh=False)
+    data = train_translation.prepare(config, held, str(data_slice), None,
+                                     None, fresh=False)
+    before = data.tokenizer.decode(data.train.pair(0)[0].tolist())
     first = held.read_json(workdir_lib.PREPARED)
     with pytest.raises(WorkdirError, match="the data's contents"):
       train_translation.prepare(config, held, str(other), None, None, False)
@@ -768,10 +769,11 @@ def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
       train_translation.prepare(config.replace(src_vocab_size=400,
                                             tgt_vocab_size=400), held,
                              str(data_slice), None, None, False)
-    again, _ = train_translation.prepare(config, held, str(other), None, None,
+    again = train_translation.prepare(config, held, str(other), None, None,
                                       fresh=True)
-  assert again['train'][0][0] == 'ein anderer Satz'  # the new data, not stale
-  assert texts['train'][0][0] != again['train'][0][0]
+  # The new data, tokenized again, not stale.
+  assert again.tokenizer.decode(again.train.pair(0)[0].tolist()) == (
+      'ein anderer Satz') != before
   aside = [p for p in workdir.iterdir() if p.name.startswith('set-aside-')]
   assert len(aside) == 1 and (aside[0] / 'spm.model').exists()
   assert json.loads((aside[0] / 'prepared.json').read_text()) == first

@@ -14,6 +14,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from flaxformer_mini.data import tokenized
+
 # 8 simulated devices and 2 processes each need a process of their own.
 pytestmark = pytest.mark.slow
 
@@ -155,26 +157,42 @@ def test_train_py_on_eight_devices_takes_the_one_device_steps(tmp_path):
 _MULTIHOST = '''
     import json, sys
     import jax, numpy as np
-    process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    process_id, port, out, data = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
+                                   sys.argv[4])
     if process_id >= 0:
       jax.distributed.initialize(f'localhost:{port}', num_processes=2,
                                  process_id=process_id)
     from flaxformer_mini import loop
     from flaxformer_mini.config import get_config
-    from flaxformer_mini.data import copy_task
+    from flaxformer_mini.data import batching, copy_task, tokenized
     from flaxformer_mini.training import create_train_state
 
     cfg = get_config('copy').replace(batch_size=16, train_steps=6,
                                      log_every=1, dropout_rate=0.0)
     shard = (jax.process_index(), jax.process_count())
+    read = []
+    if data == 'copy':
+      batch_at = lambda step: copy_task.train_batch(cfg, step, shard)
+    else:  # token batches of a tokenized split, as translation reads them
+      class Recorded:
+        split = tokenized.TokenizedSplit(data, 'train')
+        lengths = split.lengths
+
+        def pair(self, index):
+          read.append(int(index))
+          return self.split.pair(index)
+
+      batches = batching.TokenBatches(Recorded(), cfg, 256, 2)
+      batch_at = lambda step: batches.batch_at(step, shard)
     state, history = loop.train(
         cfg, create_train_state(cfg, jax.random.key(0)), jax.random.key(1),
-        lambda step: copy_task.train_batch(cfg, step, shard))
+        batch_at)
     leaves = jax.tree.leaves(state.params)
     np.savez(out, *[np.asarray(x) for x in leaves])
     print(json.dumps({'devices': jax.device_count(),
                       'processes': jax.process_count(),
-                      'losses': [h['loss'] for h in history]}))
+                      'losses': [h['loss'] for h in history],
+                      'read': sorted(read)}))
 '''
 
 
@@ -184,14 +202,25 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_train_in_lockstep_like_one(tmp_path):
+@pytest.mark.parametrize('data', ['copy', 'token batches'])
+def test_two_processes_train_in_lockstep_like_one(tmp_path, data):
+  """Each process reads only its own rows (token batches: disjoint pairs
+  that together are the one process's), and the two train as one."""
+  if data != 'copy':
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 20, (200, 2))
+    tokenized.write_split(
+        str(tmp_path / 'tokens'), 'train',
+        [([rng.integers(3, 11, a) for a, _ in lengths],
+          [rng.integers(3, 11, b) for _, b in lengths])], 11)
+    data = str(tmp_path / 'tokens')
   port = str(_free_port())
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=1')
   script = textwrap.dedent(_MULTIHOST)
   workers = [
       subprocess.Popen([sys.executable, '-c', script, str(i), port,
-                        str(tmp_path / f'process{i}.npz')],
+                        str(tmp_path / f'process{i}.npz'), data],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, cwd=ROOT, env=env) for i in range(2)]
   outputs = [w.communicate(timeout=600) for w in workers]
@@ -200,10 +229,14 @@ def test_two_processes_train_in_lockstep_like_one(tmp_path):
   reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
   single = _last_json(_run(
       ['-c', textwrap.dedent(_MULTIHOST), '-1', '0',
-       str(tmp_path / 'single.npz')], devices=1))
+       str(tmp_path / 'single.npz'), data], devices=1))
   assert [r['processes'] for r in reports] == [2, 2]
   assert [r['devices'] for r in reports] == [2, 2]
   assert single['processes'] == 1
+  if data != 'copy':
+    first, second = (set(r['read']) for r in reports)
+    assert first and second and not first & second
+    assert sorted(first | second) == single['read']
   # Lockstep: both processes log the same global losses, and so does one.
   np.testing.assert_allclose(reports[0]['losses'], reports[1]['losses'])
   np.testing.assert_allclose(reports[0]['losses'], single['losses'],

@@ -25,7 +25,8 @@ def test_gradient_is_that_of_the_mean_loss_per_real_token(small_copy):
   cfg = small_copy.replace(label_smoothing=0.1)
   state = create_train_state(cfg, jax.random.key(0))
   batch = copy_task.train_batch(cfg, 0)
-  batch = batch.replace(tgt_out=batch.tgt_out.at[0, 3:].set(cfg.pad_id))
+  batch = batch.replace(
+      tgt_out=jnp.asarray(batch.tgt_out).at[0, 3:].set(cfg.pad_id))
 
   def mean_loss(params):
     logits = Transformer(cfg).apply({'params': params}, batch.src,
@@ -45,6 +46,39 @@ def test_gradient_is_that_of_the_mean_loss_per_real_token(small_copy):
                first_moment, expected)
   assert int(metrics['ntokens']) == int(jnp.sum(batch.tgt_out != cfg.pad_id))
   assert int(new_state.step) == 1
+
+
+def test_accumulated_micro_batches_make_the_update_of_the_whole_batch(
+    small_copy):
+  """grad_accumulation=4: four micro-batches (of different real-token
+  counts) give the updates of the one batch they make up, step by step."""
+  cfg = small_copy.replace(dropout_rate=0.0, label_smoothing=0.1)
+  batch = copy_task.train_batch(cfg, 0)
+  rows = batch.tgt_out.shape[0]
+  # Pad most of the first quarter: the micro-batches' token counts differ,
+  # so averaging their mean gradients would not be the batch's gradient.
+  batch = batch.replace(
+      tgt_out=jnp.asarray(batch.tgt_out).at[:rows // 4, 2:].set(cfg.pad_id))
+  counts = np.asarray(batch.tgt_out != cfg.pad_id).reshape(4, -1).sum(axis=1)
+  assert len(set(counts.tolist())) > 1
+  finals = {}
+  for count in (1, 4):
+    config = cfg.replace(grad_accumulation=count)
+    step = jax.jit(functools.partial(train_step, config=config))
+    state = create_train_state(config, jax.random.key(0))
+    for _ in range(2):
+      state, metrics = step(state, batch, jax.random.key(1))
+    finals[count] = state, metrics
+  (one, one_metrics), (four, four_metrics) = finals[1], finals[4]
+  assert int(one.step) == int(four.step) == 2
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5,
+                                                       atol=2e-6),
+               one.params, four.params)
+  assert int(one_metrics['ntokens']) == int(four_metrics['ntokens'])
+  np.testing.assert_allclose(one_metrics['loss_sum'],
+                             four_metrics['loss_sum'], rtol=1e-5)
+  assert float(one_metrics['learning_rate']) == float(
+      four_metrics['learning_rate'])
 
 
 def test_dropout_follows_the_rng_and_the_step(small_copy):

@@ -15,7 +15,7 @@ import pytest
 
 from flaxformer_mini import evaluation, loop
 from flaxformer_mini.config import get_config
-from flaxformer_mini.data import batching, parallel_text, tokenizer
+from flaxformer_mini.data import batching, parallel_text, tokenized, tokenizer
 from conftest import MULTI30K, multi30k_lines as _lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,9 +39,30 @@ def test_local_builder_yields_aligned_pairs_in_file_order(tmp_path):
       assert example['en'].decode() == en[index].strip()
 
 
+def test_a_split_past_tfds_memory_buffer_is_prepared_without_tensorflow(
+    tmp_path, monkeypatch):
+  """TFDS spills a split past its in-memory buffer (1 GB: WMT14's training
+  split) to files through TensorFlow, which is not installed: the local
+  builder keeps it in memory instead, and leaves TFDS's limit as it was."""
+  from tensorflow_datasets.core import shuffle  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(shuffle, 'MAX_MEM_BUFFER_SIZE', 100)  # bytes
+  for split in ('train', 'val'):
+    for lang in ('de', 'en'):
+      (tmp_path / f'{split}.{lang}').write_text(
+          ''.join(f'{lang} sentence {i}\n' for i in range(50)))
+  files = parallel_text.local_split_files(str(tmp_path), ('de', 'en'))
+  sources = parallel_text.load_local(files, ('de', 'en'),
+                                     str(tmp_path / 'tfds'), 'content')
+  assert parallel_text.pairs_of(sources['train'], ('de', 'en'))[1][49] == (
+      'en sentence 49')
+  assert shuffle.MAX_MEM_BUFFER_SIZE == 100
+
+
 def test_mismatched_line_counts_are_refused(tmp_path):
   (tmp_path / 'train.de').write_text('a\nb\nc\n')
   (tmp_path / 'train.en').write_text('a\nb\n')
+  for lang in ('de', 'en'):
+    (tmp_path / f'val.{lang}').write_text('a\n')
   with pytest.raises(parallel_text.DataError,
                      match=r'train.de has 3 lines but .*train.en has 2'):
     parallel_text.local_split_files(str(tmp_path), ('de', 'en'))
@@ -97,10 +118,8 @@ def _random_pairs(count, rng):
 
 def test_token_batches_respect_the_budget_and_cover_each_example_once():
   config = get_config('translate').replace(max_len=64, seed=3)
-  src, tgt = _random_pairs(2000, np.random.default_rng(0))
-  kept = batching.filter_pairs(src, tgt, config.max_len)
-  batches = batching.TokenBatches(kept.src, kept.tgt, config, 1000,
-                                  row_multiple=8)
+  pairs = batching.Pairs(*_random_pairs(2000, np.random.default_rng(0)))
+  batches = batching.TokenBatches(pairs, config, 1000, row_multiple=8)
   seen = []
   for step in range(batches.per_epoch):
     batch = batches.batch_at(step)
@@ -111,21 +130,120 @@ def test_token_batches_respect_the_budget_and_cover_each_example_once():
     assert real <= rows * length
   for _, members in batches.epoch_batches(0):
     seen.extend(members.tolist())
-  assert sorted(seen) == list(range(len(kept.src)))
+  assert sorted(seen) == list(range(len(pairs))) and batches.used == 2000
   assert len(batches.shapes()) <= len(batching.bucket_lengths(64))
   # Deterministic for a seed; the next epoch is another order.
-  again = batching.TokenBatches(kept.src, kept.tgt, config, 1000, 8)
+  again = batching.TokenBatches(pairs, config, 1000, 8)
   np.testing.assert_array_equal(again.batch_at(5).src, batches.batch_at(5).src)
   orders = [[m.tolist() for _, m in batches.epoch_batches(epoch)]
             for epoch in (0, 1)]
   assert orders[0] != orders[1]
 
 
-def test_filter_counts_empty_and_overlong_pairs():
+def test_a_shard_reads_only_its_own_rows_and_the_shards_make_the_batch():
+  config = get_config('translate').replace(max_len=64)
+  src, tgt = _random_pairs(300, np.random.default_rng(1))
+
+  class Counted(batching.Pairs):
+    read = []
+
+    def pair(self, index):
+      self.read.append(int(index))
+      return super().pair(index)
+
+  batches = batching.TokenBatches(Counted(src, tgt), config, 1000, 4)
+  whole = batches.batch_at(2)
+  members = batches.epoch_batches(0)[2][1].tolist()
+  half = len(whole.src) // 2
+  shards = []
+  for index in range(2):
+    Counted.read.clear()
+    shards.append(batches.batch_at(2, (index, 2)))
+    assert Counted.read == members[index * half:(index + 1) * half]
+  np.testing.assert_array_equal(
+      np.concatenate([np.asarray(s.tgt_out) for s in shards]),
+      np.asarray(whole.tgt_out))
+
+
+def test_empty_and_overlong_pairs_are_counted_and_left_out():
   src = [np.ones(3), np.ones(0), np.ones(100), np.ones(4)]
   tgt = [np.ones(3), np.ones(2), np.ones(5), np.ones(0)]
-  kept = batching.filter_pairs(src, tgt, max_len=64)
-  assert (len(kept.src), kept.empty, kept.too_long) == (1, 2, 1)
+  config = get_config('translate').replace(max_len=64)
+  batches = batching.TokenBatches(batching.Pairs(src, tgt), config, 1000)
+  assert (batches.used, batches.empty, batches.too_long) == (1, 2, 1)
+  assert [m.tolist() for _, m in batches.epoch_batches()] == [[0]]
+
+
+def test_tokenized_splits_read_back_what_was_written(tmp_path):
+  src, tgt = _random_pairs(50, np.random.default_rng(2))
+  src[3] = np.zeros(0, np.int32)  # an empty sentence stays empty
+  chunks = [(src[:20], tgt[:20]), (src[20:], tgt[20:])]
+  for vocab_size, dtype in ((8000, np.uint16), (70_000, np.int32)):
+    directory = str(tmp_path / str(vocab_size))
+    tokenized.write_split(directory, 'train', chunks, vocab_size)
+    assert tokenized.is_complete(directory, 'train')
+    split = tokenized.TokenizedSplit(directory, 'train')
+    assert len(split) == 50 and split.ids['src'].dtype == dtype
+    for index in (0, 3, 19, 20, 49):
+      for got, want in zip(split.pair(index), (src[index], tgt[index])):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        split.lengths(), [(len(a), len(b)) for a, b in zip(src, tgt)])
+
+
+def test_an_interrupted_or_damaged_tokenized_split_is_named(tmp_path):
+  src, tgt = _random_pairs(10, np.random.default_rng(3))
+
+  def interrupted():
+    yield src[:5], tgt[:5]
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    tokenized.write_split(str(tmp_path), 'train', interrupted(), 8000)
+  assert not tokenized.is_complete(str(tmp_path), 'train')  # written again
+  tokenized.write_split(str(tmp_path), 'train', [(src, tgt)], 8000)
+  with open(tmp_path / 'train.tgt.ids', 'r+b') as f:
+    f.truncate(6)
+  with pytest.raises(tokenized.DataError, match=(
+      r'the tokenized train split is damaged .*delete that folder and run '
+      r'again')):
+    tokenized.TokenizedSplit(str(tmp_path), 'train')
+
+
+class _Source:
+  """A stand-in for a TFDS data source: source[i] is {lang: bytes}."""
+
+  def __init__(self, count):
+    self.examples = [{'de': f'de {i}'.encode(), 'en': f'en {i}'.encode()}
+                     for i in range(count)]
+
+  def __len__(self):
+    return len(self.examples)
+
+  def __getitems__(self, indices):
+    return [self.examples[i] for i in indices]
+
+
+def test_the_vocabulary_sample_is_seeded_bounded_and_checked():
+  config = get_config('translate').replace(vocab_sample=3, seed=1)
+  source = _Source(10)
+  sample = tokenizer.sample_sentences(source, ('de', 'en'), config)
+  assert sample == tokenizer.sample_sentences(source, ('de', 'en'), config)
+  numbers = [s.split()[1] for s in sample]
+  assert len(sample) == 6 and numbers[:3] == numbers[3:]  # both sides
+  assert sample != tokenizer.sample_sentences(source, ('de', 'en'),
+                                              config.replace(seed=2))
+  whole = tokenizer.sample_sentences(source, ('de', 'en'),
+                                     config.replace(vocab_sample=0))
+  assert whole == [f'de {i}' for i in range(10)] + [f'en {i}'
+                                                    for i in range(10)]
+  assert tokenizer.sample_size(config.replace(vocab_sample=0),
+                               5_000_000) == tokenizer.DEFAULT_SAMPLE
+  with pytest.raises(tokenizer.DataError, match=(
+      r'^--vocab_sample=11: more than the 10 training pairs; lower it, or 0 '
+      r'for all of them \(up to 1,000,000\).$')):
+    tokenizer.sample_sentences(source, ('de', 'en'),
+                               config.replace(vocab_sample=11))
 
 
 def test_bleu_of_references_against_themselves_is_100():
@@ -234,7 +352,7 @@ def test_train_py_names_bad_translation_input(tmp_path):
 
 
 @pytest.mark.slow
-def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
+def test_translation_training_resumes_exactly(tiny_run, tmp_path):
   """8 steps, stopped and resumed for 8 more (across an epoch boundary), equal
   16 uninterrupted steps bitwise: the token batches are a function of the step."""
   # pylint: disable=g-import-not-at-top
@@ -245,16 +363,10 @@ def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
   workdir, results = tiny_run
   config = TransformerConfig(**results['config']).replace(
       dropout_rate=0.1, log_every=4, checkpoint_every=4, eval_every=10_000)
-  files = parallel_text.local_split_files(str(data_slice), ('de', 'en'))
-  splits = parallel_text.load_local(files, ('de', 'en'), str(workdir / 'tfds'),
-                                    parallel_text.fingerprint(files))
-  src, tgt = parallel_text.pairs_of(splits['train'], ('de', 'en'))
-  model = tokenizer.load_tokenizer(str(workdir / 'spm'))
-  kept = batching.filter_pairs(
-      [np.asarray(ids, np.int32) for ids in model.encode(src)],
-      [np.asarray(ids, np.int32) for ids in model.encode(tgt)], config.max_len)
-  batches = batching.TokenBatches(kept.src, kept.tgt, config,
-                                  config.tokens_per_batch)
+  # The tokenized split the run prepared, read as the run reads it.
+  batches = batching.TokenBatches(
+      tokenized.TokenizedSplit(str(workdir / 'tokens'), 'train'), config,
+      config.tokens_per_batch)
   assert batches.per_epoch < 16
 
   def run(directory, steps):
@@ -271,3 +383,56 @@ def test_translation_training_resumes_exactly(tiny_run, data_slice, tmp_path):
   resumed = run(tmp_path / 'split', 16)
   for a, b in zip(whole, resumed):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_a_second_start_reads_none_of_the_corpus(tiny_run, data_slice,
+                                                 tmp_path, monkeypatch):
+  """Once prepared, a start opens what was prepared: the data files are
+  read and hashed again only when their size or time changed, and nothing
+  is tokenized again for the same contents."""
+  # pylint: disable=g-import-not-at-top
+  import shutil
+  from flaxformer_mini.config import TransformerConfig
+  from flaxformer_mini.tasks import train_translation
+  from flaxformer_mini.workdir import Workdir
+  workdir, results = tiny_run
+  config = TransformerConfig(**results['config'])
+  run = tmp_path / 'run'
+  run.mkdir()
+  for name in ('prepared.json', 'spm.model', 'spm.vocab', 'tfds', 'tokens'):
+    (shutil.copytree if (workdir / name).is_dir() else shutil.copy)(
+        workdir / name, run / name)
+  data = shutil.copytree(data_slice, tmp_path / 'data')  # moved: read again
+  calls = []
+  real_fingerprint = parallel_text.fingerprint
+
+  def counted_fingerprint(files):
+    calls.append('fingerprint')
+    return real_fingerprint(files)
+
+  def refused(*args, **kwargs):
+    raise AssertionError('prepared again on a later start')
+
+  monkeypatch.setattr(parallel_text, 'fingerprint', counted_fingerprint)
+  monkeypatch.setattr(tokenized, 'write_split', refused)
+  monkeypatch.setattr(tokenizer, 'train_tokenizer', refused)
+
+  def prepare():
+    with Workdir(str(run)) as opened:
+      return train_translation.prepare(config, opened, str(data), None, None,
+                                       fresh=False)
+
+  prepared = prepare()
+  assert calls == ['fingerprint']  # another path: read and hashed once
+  assert len(prepared.train) == results['data']['pairs']['train']
+  assert sorted(prepared.texts) == ['test_2016_flickr', 'validation']
+  monkeypatch.setattr(parallel_text, '_count_lines', refused)
+  prepare()
+  assert calls == ['fingerprint']  # unchanged since: not read at all
+  monkeypatch.undo()
+  monkeypatch.setattr(parallel_text, 'fingerprint', counted_fingerprint)
+  monkeypatch.setattr(tokenized, 'write_split', refused)
+  os.utime(data / 'val.en', ns=(1, 1))
+  prepare()
+  assert calls == ['fingerprint'] * 2  # touched: read and hashed again

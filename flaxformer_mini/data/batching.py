@@ -4,22 +4,53 @@ The paper batches "by approximate sequence length", about 25,000 source and
 25,000 target tokens per batch. Here every pair goes to the smallest bucket
 length L that holds it (source + eos, and bos/eos + target); a batch of that
 bucket has as many rows as fit in the budget, `rows * L <= tokens_per_batch`
-on each side. The bucket lengths grow geometrically, so padding stays small
-and XLA compiles one program per bucket, not one per batch.
+on each side. The budget is the global batch's, over every device and host.
+The bucket lengths grow geometrically, so padding stays small and XLA
+compiles one program per bucket, not one per batch.
 
 The batches of an epoch are a pure function of (seed, epoch): step s is batch
 s % per_epoch of epoch s // per_epoch. The iterator's position is therefore
 just the step, which is what a checkpoint saves, and a resumed run sees
-exactly the batches the uninterrupted one would have seen.
+exactly the batches the uninterrupted one would have seen. Planning an epoch
+needs only the pairs' lengths; a batch reads only its own rows (for a
+multi-host run, only this process's share of them).
 """
 
-import dataclasses
 import functools
+from typing import Protocol
 
 import numpy as np
 
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch, make_batch
+
+
+class PairSource(Protocol):
+  """Tokenized sentence pairs: a `data.tokenized.TokenizedSplit`, or `Pairs`."""
+
+  def __len__(self) -> int: ...
+
+  def lengths(self) -> np.ndarray: ...
+
+  def pair(self, index: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class Pairs:
+  """Pairs held in memory: lists of source and of target id arrays."""
+
+  def __init__(self, src: list, tgt: list):
+    self.src, self.tgt = src, tgt
+
+  def __len__(self) -> int:
+    return len(self.src)
+
+  def lengths(self) -> np.ndarray:
+    """int32[pairs, 2]: each pair's (source, target) token count."""
+    return np.array([(len(s), len(t)) for s, t in zip(self.src, self.tgt)],
+                    np.int32).reshape(-1, 2)
+
+  def pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    return self.src[index], self.tgt[index]
 
 
 def bucket_lengths(max_len: int, smallest: int = 8,
@@ -32,52 +63,34 @@ def bucket_lengths(max_len: int, smallest: int = 8,
   return tuple(lengths) + (max_len,)
 
 
-@dataclasses.dataclass
-class Filtered:
-  """What was kept, and what was left out and why (for the log)."""
-  src: list
-  tgt: list
-  empty: int = 0
-  too_long: int = 0
-
-
-def filter_pairs(src: list, tgt: list, max_len: int) -> Filtered:
-  """Drops empty pairs and pairs longer than max_len (counting both).
-
-  src, tgt: lists of int arrays (token ids without specials). A pair is too
-  long when the source + eos or bos + target + eos exceeds max_len + 1.
-  """
-  kept = Filtered([], [])
-  for s, t in zip(src, tgt):
-    if len(s) == 0 or len(t) == 0:
-      kept.empty += 1
-    elif len(s) + 1 > max_len or len(t) + 1 > max_len:
-      kept.too_long += 1
-    else:
-      kept.src.append(s)
-      kept.tgt.append(t)
-  return kept
-
-
 class TokenBatches:
   """Bucketed batches of one dataset under a token budget.
 
   `batch_at(step)` gives the Batch of training step `step`: src int32[rows, L],
   tgt_in / tgt_out int32[rows, L]. Rows are a multiple of `row_multiple` (the
-  device count), topped up with rows of pad that add nothing to the loss.
+  device count, times the micro-batches of gradient accumulation), topped up
+  with rows of pad that add nothing to the loss. Empty pairs and pairs longer
+  than max_len (source + eos or bos + target + eos past max_len + 1) are left
+  out: `used`, `empty` and `too_long` count them.
   """
 
-  def __init__(self, src: list, tgt: list, config: TransformerConfig,
+  def __init__(self, pairs: PairSource, config: TransformerConfig,
                tokens_per_batch: int, row_multiple: int = 1,
                shuffle: bool = True):
-    self.config = config
-    self.src, self.tgt = src, tgt
+    self.config, self.pairs = config, pairs
     self.buckets = bucket_lengths(config.max_len)
     self.shuffle = shuffle
-    lengths = np.array([max(len(s), len(t)) + 1 for s, t in zip(src, tgt)])
-    if lengths.size and lengths.max() > config.max_len:
-      raise ValueError('filter_pairs first: a pair exceeds --max_len.')
-    self.bucket_of = np.searchsorted(self.buckets, lengths)
+    lengths = pairs.lengths()
+    empty = (lengths == 0).any(axis=1)
+    longest = lengths.max(axis=1, initial=0) + 1
+    too_long = ~empty & (longest > config.max_len)
+    self.empty, self.too_long = int(empty.sum()), int(too_long.sum())
+    usable = np.flatnonzero(~empty & ~too_long).astype(np.int32)
+    self.used = len(usable)
+    bucket_of = np.searchsorted(self.buckets, longest[usable])
+    # The pairs of each bucket, in corpus order.
+    self.members = {int(b): usable[bucket_of == b]
+                    for b in np.unique(bucket_of)}
     self.rows = {}
     for index, length in enumerate(self.buckets):
       rows = tokens_per_batch // length // row_multiple * row_multiple
@@ -95,15 +108,14 @@ class TokenBatches:
 
   def shapes(self) -> set[tuple[int, int]]:
     """The distinct (rows, length) batch shapes that can occur."""
-    return {(self.rows[b], self.buckets[b]) for b in set(self.bucket_of)}
+    return {(self.rows[b], self.buckets[b]) for b in self.members}
 
   @functools.lru_cache(maxsize=2)
   def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
     """[(bucket, example indices)] for every batch of `epoch`, in order."""
     rng = np.random.default_rng((self.config.seed, epoch))
     batches = []
-    for bucket in sorted(set(self.bucket_of)):
-      members = np.flatnonzero(self.bucket_of == bucket)
+    for bucket, members in sorted(self.members.items()):
       if self.shuffle:
         members = rng.permutation(members)
       rows = self.rows[bucket]
@@ -125,17 +137,20 @@ class TokenBatches:
 
   def make(self, members, length: int, rows: int,
            shard: tuple[int, int] = (0, 1)) -> Batch:
-    """The Batch of examples `members`: src int32[rows, length], tgt_in and
-    tgt_out int32[rows, length], rows past the members all pad (shard
-    `index` of `count` of them)."""
+    """Shard `index` of `count` of the Batch of examples `members`: src
+    int32[rows / count, length], tgt_in and tgt_out int32[rows / count,
+    length], rows past the members all pad. Only the shard's pairs are read.
+    """
     cfg = self.config
-    src = np.full((rows, length), cfg.pad_id, np.int32)
-    tgt = np.full((rows, length + 1), cfg.pad_id, np.int32)
-    for row, example in enumerate(members):
-      s, t = self.src[example], self.tgt[example]
-      src[row, :len(s) + 1] = np.append(s, cfg.eos_id)
-      tgt[row, :len(t) + 2] = np.concatenate([[cfg.bos_id], t, [cfg.eos_id]])
     index, count = shard
     part = rows // count
-    rows_of_shard = slice(index * part, (index + 1) * part)
-    return make_batch(src[rows_of_shard], tgt[rows_of_shard], cfg)
+    src = np.full((part, length), cfg.pad_id, np.int32)
+    tgt = np.full((part, length + 1), cfg.pad_id, np.int32)
+    for row, example in enumerate(members[index * part:(index + 1) * part]):
+      s, t = self.pairs.pair(example)
+      src[row, :len(s)] = s
+      src[row, len(s)] = cfg.eos_id
+      tgt[row, 0] = cfg.bos_id
+      tgt[row, 1:len(t) + 1] = t
+      tgt[row, len(t) + 1] = cfg.eos_id
+    return make_batch(src, tgt, cfg)

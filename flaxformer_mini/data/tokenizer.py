@@ -9,10 +9,46 @@ import os
 import re
 from typing import Iterable
 
+import numpy as np
 import sentencepiece as spm
 
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data import DataError
+
+
+# The pairs a vocabulary is trained on when config.vocab_sample is 0: enough
+# for a 32k vocabulary, a bounded cost for any corpus.
+DEFAULT_SAMPLE = 1_000_000
+
+
+def sample_size(config: TransformerConfig, pairs: int) -> int:
+  """The training pairs the vocabulary is trained on.
+
+  Raises:
+    DataError: --vocab_sample is larger than the training split.
+  """
+  if config.vocab_sample > pairs:
+    raise DataError(
+        f'--vocab_sample={config.vocab_sample}: more than the {pairs} '
+        'training pairs; lower it, or 0 for all of them (up to '
+        f'{DEFAULT_SAMPLE:,}).')
+  return config.vocab_sample or min(pairs, DEFAULT_SAMPLE)
+
+
+def sample_sentences(source, languages: tuple[str, str],
+                     config: TransformerConfig) -> list[str]:
+  """Both sides of a seeded random sample of a TFDS data source's pairs
+  (all of them, in order, where the sample is the whole split)."""
+  count = sample_size(config, len(source))
+  chosen = (np.arange(count) if count == len(source) else np.sort(
+      np.random.default_rng(config.seed).choice(len(source), count,
+                                                replace=False)))
+  sides = ([], [])
+  for start in range(0, count, 10_000):
+    examples = source.__getitems__(chosen[start:start + 10_000].tolist())
+    for side, lang in zip(sides, languages):
+      side += [e[lang].decode('utf-8').strip() for e in examples]
+  return sides[0] + sides[1]
 
 
 def train_tokenizer(sentences: Iterable[str], path: str,

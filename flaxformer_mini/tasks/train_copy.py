@@ -47,7 +47,8 @@ def check_config(config: TransformerConfig) -> None:
         f'src_vocab_size={config.src_vocab_size}: the copy task needs '
         'ordinary tokens above the special ids; raise src_vocab_size and '
         f'tgt_vocab_size above {config.first_ordinary_id}.')
-  check_divisible(config.batch_size)
+  check_divisible(config.batch_size,
+                  micro_batches=config.grad_accumulation)
 
 
 def greedy_copier(config: TransformerConfig):

@@ -1,18 +1,20 @@
 """Translation on real parallel text: data, vocabulary, training, averaging, BLEU.
 
-`run` prepares the data (local files through the project's TFDS builder, or a
-prepared TFDS catalog dataset), trains a joint SentencePiece vocabulary once,
-trains with token-budget batches, evaluates every `eval_every` steps
-(validation loss and perplexity, and greedy BLEU on the whole validation
-split, against the minutes since the run started), and at the end averages
-the last `average_last` checkpoints, scores both the last and the averaged
-parameters on validation with beam search, keeps the better one for the
-translate command and scores it once on the test split.
+`run` prepares the data once (local files through the project's TFDS builder,
+or a prepared TFDS catalog dataset; a joint SentencePiece vocabulary trained
+on a seeded sample; the training and validation splits tokenized into
+WORKDIR/tokens), trains with token-budget batches made ahead by the loop's
+input pipeline, evaluates every `eval_every` steps (validation loss and
+perplexity, and greedy BLEU on the whole validation split, against the
+minutes since the run started), and at the end averages the last
+`average_last` checkpoints, scores both the last and the averaged parameters
+on validation with beam search, keeps the better one for the translate
+command and scores it once on the test split.
 
-What is prepared (WORKDIR/tfds, spm.model) is recorded in prepared.json with
-what it was prepared from; a later run with other data, languages or
-vocabulary is refused (or, with --fresh, prepares again) instead of training
-on stale data.
+What is prepared (WORKDIR/tfds, tokens, spm.model) is recorded in
+prepared.json with what it was prepared from; a later run with other data,
+languages or vocabulary is refused (or, with --fresh, prepares again)
+instead of training on stale data.
 """
 
 import dataclasses
@@ -20,14 +22,14 @@ import os
 import time
 
 import jax
-import numpy as np
 import tqdm
+from jax.experimental import multihost_utils
 
 from flaxformer_mini import evaluation, plots
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import Checkpoints, average_params
 from flaxformer_mini.config import ConfigError, TransformerConfig
-from flaxformer_mini.data import DataError, batching, parallel_text
+from flaxformer_mini.data import DataError, batching, parallel_text, tokenized
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.decoding import translate_lines
 from flaxformer_mini.loop import SignalCatcher, TrainingRun
@@ -36,8 +38,8 @@ from flaxformer_mini.training import TrainState
 from flaxformer_mini.workdir import Workdir, WorkdirError
 
 # What --fresh keeps when it was prepared from the same data and settings.
-_PREPARED = (workdir_lib.TFDS, workdir_lib.TOKENIZER + '.model',
-             workdir_lib.TOKENIZER + '.vocab', workdir_lib.PREPARED)
+_PREPARED = (workdir_lib.TFDS, workdir_lib.TOKENS, workdir_lib.TOKENIZER +
+             '.model', workdir_lib.TOKENIZER + '.vocab', workdir_lib.PREPARED)
 
 
 def check_config(config: TransformerConfig) -> None:
@@ -54,6 +56,14 @@ def check_config(config: TransformerConfig) -> None:
         f'tokens_per_batch={config.tokens_per_batch}: holds no batch of '
         f'{devices} row(s) of length max_len={config.max_len}; raise it to at '
         f'least {config.max_len * devices} or lower max_len.')
+  rows = devices * config.grad_accumulation
+  if config.tokens_per_batch < config.max_len * rows:
+    raise ConfigError(
+        f'grad_accumulation={config.grad_accumulation}: '
+        f'tokens_per_batch={config.tokens_per_batch} holds no batch of '
+        f'{rows} rows ({devices} device(s) x {config.grad_accumulation} '
+        f'micro-batches) of length max_len={config.max_len}; lower it, or '
+        f'raise tokens_per_batch to at least {config.max_len * rows}.')
   if config.average_last > config.keep_checkpoints:
     raise ConfigError(
         f'average_last={config.average_last}: the run keeps only the last '
@@ -61,11 +71,17 @@ def check_config(config: TransformerConfig) -> None:
         'or average fewer.')
 
 
+# Settings of the prepared data recorded since the first version, and what
+# earlier records were made with.
+_DEFAULTS = {'vocab_sample': 0, 'seed': 0}
+
+
 def _wanted(config: TransformerConfig, source: str, content: str) -> dict:
   """What the prepared data and vocabulary of this run are made from."""
   return {'source': source, 'content': content,
           'languages': [config.src_lang, config.tgt_lang],
           'vocab_size': config.src_vocab_size,
+          'vocab_sample': config.vocab_sample, 'seed': config.seed,
           'special_ids': [config.pad_id, config.bos_id, config.eos_id]}
 
 
@@ -90,7 +106,10 @@ def _check_prepared(workdir: Workdir, wanted: dict, fresh: bool) -> None:
   The same contents found at another path (the data folder moved, or is
   reached through a link) are the same data: the run goes on, with a note.
   """
-  prepared = workdir.read_json(workdir_lib.PREPARED)
+  recorded = workdir.read_json(workdir_lib.PREPARED)
+  # A record written before a setting was recorded was made as its default.
+  prepared = recorded and {
+      key: recorded.get(key, _DEFAULTS.get(key)) for key in wanted}
   earlier = (os.path.isfile(workdir.path_of(workdir_lib.TOKENIZER + '.model'))
              or os.path.isdir(workdir.path_of(workdir_lib.CHECKPOINTS)))
   if fresh:
@@ -113,24 +132,55 @@ def _check_prepared(workdir: Workdir, wanted: dict, fresh: bool) -> None:
         '--workdir.')
 
 
-def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
-            dataset: str | None, tfds_dir: str | None, fresh: bool):
-  """The texts of every split and the vocabulary, prepared once per source.
+@dataclasses.dataclass
+class _Data:
+  """A prepared corpus: the vocabulary, the tokenized training and
+  validation splits (memory-mapped), and the texts of every split but
+  training (sources and references, for BLEU)."""
+  tokenizer: object
+  train: tokenized.TokenizedSplit
+  validation: tokenized.TokenizedSplit
+  texts: dict
 
-  Returns ({split: (source texts, target texts)}, the SentencePiece model).
 
-  Raises:
-    DataError: the data cannot be read or makes no vocabulary of that size.
-    WorkdirError: the workdir was prepared from something else (without
-      `fresh`).
-  """
+def _local_content(workdir: Workdir, files: dict, source: str
+                   ) -> tuple[str, dict]:
+  """(fingerprint, file stats) of local files: read whole unless the
+  workdir's record shows them unchanged since they were prepared."""
+  stats = parallel_text.file_stats(files)
+  recorded = workdir.read_json(workdir_lib.PREPARED) or {}
+  if recorded.get('source') == source and recorded.get('files') == stats:
+    return recorded['content'], stats
+  parallel_text.check_split_files(files)
+  return parallel_text.fingerprint(files), stats
+
+
+def _tokenize(splits: dict, split: str, languages: tuple[str, str], tokenizer,
+              directory: str, vocab_size: int) -> tokenized.TokenizedSplit:
+  """The tokenized `split`, written first if it is not complete."""
+  if not tokenized.is_complete(directory, split):
+    source = splits[split]
+    with tqdm.tqdm(total=len(source), unit='pair', dynamic_ncols=True,
+                   desc=f'tokenizing {split} (once)') as progress:
+      def counted(chunks):
+        for chunk in chunks:
+          progress.update(len(chunk[0]))
+          yield chunk
+      tokenized.write_split(directory, split, counted(
+          tokenized.encoded_chunks(source, languages, tokenizer)), vocab_size)
+  return tokenized.TokenizedSplit(directory, split)
+
+
+def _prepare_here(config: TransformerConfig, workdir: Workdir,
+                  data_dir: str | None, dataset: str | None,
+                  tfds_dir: str | None, fresh: bool) -> _Data:
   languages = (config.src_lang, config.tgt_lang)
   if data_dir:
-    files = parallel_text.local_split_files(data_dir, languages)
+    files = parallel_text.find_split_files(data_dir, languages)
     source = os.path.realpath(data_dir)
-    content = parallel_text.fingerprint(files)
+    content, stats = _local_content(workdir, files, source)
   else:
-    source, content = f'tfds:{dataset}', dataset
+    source, content, stats = f'tfds:{dataset}', dataset, None
   wanted = _wanted(config, source, content)
   _check_prepared(workdir, wanted, fresh)
   if data_dir:
@@ -139,61 +189,84 @@ def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
         content)
   else:
     splits = parallel_text.load_catalog(dataset, tfds_dir)
-  texts = {split: parallel_text.pairs_of(data, languages)
-           for split, data in splits.items()}
   vocabulary = workdir.path_of(workdir_lib.TOKENIZER)
   if os.path.isfile(vocabulary + '.model'):
     tokenizer = spm_lib.load_tokenizer(vocabulary)
   else:
-    train_src, train_tgt = texts['train']
-    tokenizer = spm_lib.train_tokenizer(train_src + train_tgt, vocabulary,
-                                        config)
+    tokenizer = spm_lib.train_tokenizer(
+        spm_lib.sample_sentences(splits['train'], languages, config),
+        vocabulary, config)
   spm_lib.check_special_ids(tokenizer, config)
-  workdir.write_json(workdir_lib.PREPARED, wanted)
-  return texts, tokenizer
+  directory = workdir.path_of(workdir_lib.TOKENS)
+  train, validation = (
+      _tokenize(splits, split, languages, tokenizer, directory,
+                config.src_vocab_size) for split in ('train', 'validation'))
+  workdir.write_json(workdir_lib.PREPARED, {
+      **wanted, 'files': stats,
+      'vocab_sample_pairs': spm_lib.sample_size(config, len(train))})
+  texts = {split: parallel_text.pairs_of(data, languages)
+           for split, data in splits.items() if split != 'train'}
+  return _Data(tokenizer, train, validation, texts)
+
+
+def prepare(config: TransformerConfig, workdir: Workdir, data_dir: str | None,
+            dataset: str | None, tfds_dir: str | None, fresh: bool) -> _Data:
+  """The corpus, its vocabulary and its tokenized splits, prepared once.
+
+  The first run reads the whole corpus: it checks and fingerprints local
+  files, prepares them with TFDS, trains the vocabulary on a sample and
+  tokenizes the training and validation splits into WORKDIR/tokens. A later
+  start or resume finds all of that (local files unchanged since: same size
+  and modification time) and reads only the small splits' texts. In a
+  multi-host run process 0 prepares first and the others after it, so a
+  workdir on a shared disk is prepared once.
+
+  Raises:
+    DataError: the data cannot be read or makes no vocabulary of that size.
+    WorkdirError: the workdir was prepared from something else (without
+      `fresh`).
+  """
+  data = None
+  for turn in ('process 0', 'the other processes'):
+    if (jax.process_index() == 0) == (turn == 'process 0'):
+      data = _prepare_here(config, workdir, data_dir, dataset, tfds_dir,
+                           fresh and jax.process_index() == 0)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f'data prepared by {turn}')
+  return data
 
 
 @dataclasses.dataclass
 class _Batches:
   """The token-budget batches of training and the held-out validation set."""
   train: batching.TokenBatches
-  train_pairs: batching.Filtered
   held_out: list
 
 
-def _encode(tokenizer, texts: tuple[list[str], list[str]]):
-  return tuple([np.asarray(ids, np.int32) for ids in tokenizer.encode(side)]
-               for side in texts)
-
-
-def _token_batches(config: TransformerConfig, tokenizer, texts: dict
-                   ) -> _Batches:
-  """Encodes the training and validation splits into bucketed batches.
+def _token_batches(config: TransformerConfig, data: _Data) -> _Batches:
+  """The training split's bucketed batches and the validation batches.
 
   Raises:
     DataError: no training pair fits in max_len.
   """
-  rows = jax.device_count()
-  train_pairs = batching.filter_pairs(*_encode(tokenizer, texts['train']),
-                                      config.max_len)
-  if not train_pairs.src:
+  rows = jax.device_count() * config.grad_accumulation
+  train = batching.TokenBatches(data.train, config, config.tokens_per_batch,
+                                rows)
+  if not train.used:
     raise DataError(
-        f'--max_len={config.max_len}: none of the {train_pairs.too_long} '
+        f'--max_len={config.max_len}: none of the {train.too_long} '
         'non-empty training pairs fits (source + eos and bos + target + eos '
         'within max_len tokens); raise --max_len.')
-  train = batching.TokenBatches(train_pairs.src, train_pairs.tgt, config,
-                                config.tokens_per_batch, rows)
-  val_pairs = batching.filter_pairs(*_encode(tokenizer, texts['validation']),
-                                    config.max_len)
-  val = batching.TokenBatches(val_pairs.src, val_pairs.tgt, config,
-                              config.tokens_per_batch, rows, shuffle=False)
+  val = batching.TokenBatches(data.validation, config,
+                              config.tokens_per_batch, jax.device_count(),
+                              shuffle=False)
   held_out = [val.make(members, length, val.rows_of(length))
               for length, members in val.epoch_batches()]
-  print(f'train: {len(train_pairs.src)} pairs in {train.per_epoch} '
+  print(f'train: {train.used} pairs in {train.per_epoch} '
         f'batches per epoch ({len(train.shapes())} shapes); '
-        f'skipped {train_pairs.empty} empty and {train_pairs.too_long} '
+        f'skipped {train.empty} empty and {train.too_long} '
         f'longer than max_len={config.max_len}')
-  return _Batches(train, train_pairs, held_out)
+  return _Batches(train, held_out)
 
 
 class _Evaluator:
@@ -275,17 +348,19 @@ def _average_and_choose(config: TransformerConfig, workdir: Workdir,
           'validation': validation, 'chosen': chosen}
 
 
-def _data_summary(data_dir: str | None, dataset: str | None, texts: dict,
+def _data_summary(data_dir: str | None, dataset: str | None, data: _Data,
                   batches: _Batches) -> dict:
   """results.json's account of the data: its pairs and what was used."""
-  pairs = batches.train_pairs
+  train = batches.train
   return {'data_dir': data_dir, 'dataset': dataset,
-          'pairs': {split: len(texts[split][0]) for split in texts},
-          'train_pairs_used': len(pairs.src),
-          'train_skipped_empty': pairs.empty,
-          'train_skipped_too_long': pairs.too_long,
-          'batches_per_epoch': batches.train.per_epoch,
-          'batch_shapes': sorted(batches.train.shapes())}
+          'pairs': {'train': len(data.train),
+                    **{split: len(data.texts[split][0])
+                       for split in data.texts}},
+          'train_pairs_used': train.used,
+          'train_skipped_empty': train.empty,
+          'train_skipped_too_long': train.too_long,
+          'batches_per_epoch': train.per_epoch,
+          'batch_shapes': sorted(train.shapes())}
 
 
 def run(config: TransformerConfig, workdir_path: str,
@@ -309,14 +384,14 @@ def run(config: TransformerConfig, workdir_path: str,
   with Workdir(workdir_path) as workdir, SignalCatcher() as signals:
     # Data and batches.
     signals.when = 'while preparing the data'
-    texts, tokenizer = prepare(config, workdir, data_dir, dataset, tfds_dir,
-                               fresh)
-    test_split = next((s for s in texts if s not in ('train', 'validation')),
+    data = prepare(config, workdir, data_dir, dataset, tfds_dir, fresh)
+    tokenizer = data.tokenizer
+    test_split = next((s for s in data.texts if s != 'validation'),
                       'validation')
-    batches = _token_batches(config, tokenizer, texts)
+    batches = _token_batches(config, data)
     # Train.
     training = TrainingRun.open(config, workdir, DataParallel(config))
-    evaluator = _Evaluator(config, training, tokenizer, texts,
+    evaluator = _Evaluator(config, training, tokenizer, data.texts,
                            batches.held_out, start_time)
     shard = (jax.process_index(), jax.process_count())
     try:
@@ -334,7 +409,7 @@ def run(config: TransformerConfig, workdir_path: str,
     evaluations = evaluator.evaluations
     results = training.results(
         'translate', state, history, start_time,
-        data=_data_summary(data_dir, dataset, texts, batches),
+        data=_data_summary(data_dir, dataset, data, batches),
         vocabulary={'path': workdir.path_of(workdir_lib.TOKENIZER) + '.model',
                     'size': tokenizer.get_piece_size(), 'type': 'unigram',
                     'joint': True},

@@ -1,0 +1,143 @@
+"""Sentence pairs tokenized once at preparation, then read memory-mapped.
+
+A corpus is read and encoded once, when a run prepares it; every later start
+or resume opens what was written, so its cost does not grow with the corpus
+(docs/performance.md, "Input"). Each split is written to one folder as
+
+  {split}.{side}.ids      every sentence's ids, one after another (uint16
+                          where the vocabulary fits, else int32)
+  {split}.{side}.offsets  int64[pairs + 1]: sentence i is ids[offsets[i]:
+                          offsets[i + 1]]
+  {split}.json            the pair count and the ids' dtype, written last:
+                          a split without it is incomplete and written again
+
+for side 'src' and 'tgt'. Ids carry no specials (bos / eos are added when a
+batch is made). Reading a batch touches only its rows' pages.
+"""
+
+import json
+import os
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from flaxformer_mini.data import DataError
+
+SIDES = ('src', 'tgt')
+# Pairs encoded per call of the tokenizer: large enough for SentencePiece's
+# threads, small enough that preparation's memory does not grow with the
+# corpus.
+CHUNK = 20_000
+
+
+def _path(directory: str, split: str, name: str) -> str:
+  return os.path.join(directory, f'{split}.{name}')
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+  """The smallest dtype that holds every id: uint16 up to 65,536 pieces."""
+  return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+def write_split(directory: str, split: str,
+                chunks: Iterable[tuple[list, list]], vocab_size: int) -> None:
+  """Writes a split from chunks of (source id lists, target id lists).
+
+  What an interrupted write leaves is found incomplete (no {split}.json)
+  and written again.
+  """
+  os.makedirs(directory, exist_ok=True)
+  dtype = ids_dtype(vocab_size)
+  status = _path(directory, split, 'json')
+  if os.path.exists(status):
+    os.remove(status)
+  files = {}
+  try:
+    for side in SIDES:
+      files[side] = (open(_path(directory, split, f'{side}.ids'), 'wb'),
+                     open(_path(directory, split, f'{side}.offsets'), 'wb'))
+      np.zeros(1, np.int64).tofile(files[side][1])
+    pairs, ends = 0, dict.fromkeys(SIDES, 0)
+    for chunk in chunks:
+      for side, sentences in zip(SIDES, chunk):
+        lengths = np.fromiter(map(len, sentences), np.int64, len(sentences))
+        if lengths.sum():
+          np.concatenate(sentences).astype(dtype).tofile(files[side][0])
+        (ends[side] + np.cumsum(lengths)).tofile(files[side][1])
+        ends[side] += int(lengths.sum())
+      pairs += len(chunk[0])
+  finally:
+    for ids, offsets in files.values():
+      ids.close()
+      offsets.close()
+  with open(status + '.tmp', 'w') as f:
+    json.dump({'pairs': pairs, 'dtype': dtype.name, 'tokens': ends}, f)
+  os.replace(status + '.tmp', status)
+
+
+def encoded_chunks(source, languages: tuple[str, str], tokenizer,
+                   chunk: int = CHUNK) -> Iterator[tuple[list, list]]:
+  """(source ids, target ids) of a TFDS data source, `chunk` pairs at a time.
+
+  Lines are stripped as the local builder strips them, so a catalog dataset
+  and local files are encoded alike.
+  """
+  threads = os.cpu_count() or 1
+  for start in range(0, len(source), chunk):
+    examples = source.__getitems__(range(start, min(start + chunk,
+                                                    len(source))))
+    yield tuple(
+        tokenizer.encode([e[lang].decode('utf-8').strip() for e in examples],
+                         num_threads=threads)
+        for lang in languages)
+
+
+def is_complete(directory: str, split: str) -> bool:
+  return os.path.isfile(_path(directory, split, 'json'))
+
+
+class TokenizedSplit:
+  """One split's pairs, memory-mapped: `pair(i)` -> (source ids, target ids).
+
+  Raises:
+    DataError: the split is incomplete or its files do not match its record
+      (naming the folder and the way out).
+  """
+
+  def __init__(self, directory: str, split: str):
+    self.directory, self.split = directory, split
+    try:
+      with open(_path(directory, split, 'json')) as f:
+        record = json.load(f)
+      self.pairs = record['pairs']
+      self.ids, self.offsets = {}, {}
+      for side in SIDES:
+        self.offsets[side] = np.memmap(_path(directory, split,
+                                             f'{side}.offsets'),
+                                       np.int64, 'r')
+        tokens = record['tokens'][side]
+        self.ids[side] = (np.memmap(_path(directory, split, f'{side}.ids'),
+                                    record['dtype'], 'r')
+                          if tokens else np.zeros(0, record['dtype']))
+        if (self.offsets[side].shape != (self.pairs + 1,) or
+            self.ids[side].shape != (tokens,)):
+          raise ValueError(f'{side} files do not match the record')
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise DataError(
+          f'{directory}: the tokenized {split} split is damaged ({e}); '
+          'delete that folder and run again to tokenize it anew.') from None
+
+  def __len__(self) -> int:
+    return self.pairs
+
+  def lengths(self) -> np.ndarray:
+    """int32[pairs, 2]: each pair's (source, target) token count."""
+    return np.stack([np.diff(self.offsets[side]).astype(np.int32)
+                     for side in SIDES], axis=1)
+
+  def pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source ids, target ids) of pair `index`, without specials."""
+    return tuple(
+        self.ids[side][self.offsets[side][index]:
+                       self.offsets[side][index + 1]]
+        for side in SIDES)
