@@ -180,7 +180,16 @@ def test_remat_recomputes_instead_of_keeping_and_changes_no_number(
   steps = [jax.jit(functools.partial(train_step, config=c))(
       state, batch, jax.random.key(1)) for c in (cfg, remat)]
   (plain, plain_metrics), (recomputed, remat_metrics) = steps
-  assert plain_metrics['loss_sum'] == remat_metrics['loss_sum']
+  # Equal to float32 rounding: XLA may order the recomputed program's sums
+  # differently (one ulp of the loss on jax 0.7.2). The gradients (Adam's
+  # first moment) agree closely; the parameters to Adam's first step, which
+  # moves each by about the learning rate whatever the gradient's size, so a
+  # gradient near epsilon differs a little more there.
+  np.testing.assert_allclose(plain_metrics['loss_sum'],
+                             remat_metrics['loss_sum'], rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-9),
+               plain.opt_state[0].mu, recomputed.opt_state[0].mu)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
-                                                       atol=1e-7),
+                                                       atol=1e-6),
                plain.params, recomputed.params)
