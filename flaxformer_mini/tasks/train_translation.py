@@ -100,13 +100,13 @@ def _readable_vocabulary(workdir: Workdir) -> bool:
     return False
 
 
-def _check_prepared(workdir: Workdir, wanted: dict, fresh: bool) -> None:
+def _check_prepared(workdir: Workdir, recorded: dict | None, wanted: dict,
+                    fresh: bool) -> None:
   """Refuses a workdir prepared from something else (sets it aside: `fresh`).
 
   The same contents found at another path (the data folder moved, or is
   reached through a link) are the same data: the run goes on, with a note.
   """
-  recorded = workdir.read_json(workdir_lib.PREPARED)
   # A record written before a setting was recorded was made as its default.
   prepared = recorded and {
       key: recorded.get(key, _DEFAULTS.get(key)) for key in wanted}
@@ -143,12 +143,12 @@ class _Data:
   texts: dict
 
 
-def _local_content(workdir: Workdir, files: dict, source: str
+def _local_content(recorded: dict | None, files: dict, source: str
                    ) -> tuple[str, dict]:
   """(fingerprint, file stats) of local files: read whole unless the
   workdir's record shows them unchanged since they were prepared."""
   stats = parallel_text.file_stats(files)
-  recorded = workdir.read_json(workdir_lib.PREPARED) or {}
+  recorded = recorded or {}
   if recorded.get('source') == source and recorded.get('files') == stats:
     return recorded['content'], stats
   parallel_text.check_split_files(files)
@@ -175,14 +175,15 @@ def _prepare_here(config: TransformerConfig, workdir: Workdir,
                   data_dir: str | None, dataset: str | None,
                   tfds_dir: str | None, fresh: bool) -> _Data:
   languages = (config.src_lang, config.tgt_lang)
+  recorded = workdir.read_json(workdir_lib.PREPARED)
   if data_dir:
     files = parallel_text.find_split_files(data_dir, languages)
     source = os.path.realpath(data_dir)
-    content, stats = _local_content(workdir, files, source)
+    content, stats = _local_content(recorded, files, source)
   else:
     source, content, stats = f'tfds:{dataset}', dataset, None
   wanted = _wanted(config, source, content)
-  _check_prepared(workdir, wanted, fresh)
+  _check_prepared(workdir, recorded, wanted, fresh)
   if data_dir:
     splits = parallel_text.load_local(
         files, languages, tfds_dir or workdir.path_of(workdir_lib.TFDS),
