@@ -1,6 +1,7 @@
 """Fetching Multi30k: whole files or none, checked against the repository's."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -45,3 +46,15 @@ def test_no_internet_is_one_clear_error(tmp_path, monkeypatch):
   assert result.returncode == 1
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith('multi30k: error: could not fetch')
+
+
+@needs_multi30k
+def test_a_file_that_arrives_damaged_is_refused_and_not_kept(tmp_path, monkeypatch):
+  served = tmp_path / 'served'
+  shutil.copytree(MULTI30K, served)
+  (served / 'train.de.gz').write_bytes(b'not the file')
+  monkeypatch.setattr(multi30k, 'URL', f'file://{served}/')
+  with pytest.raises(DataError, match=r'train\.de\.gz arrived damaged \(its SHA-256 differs\); '
+                                      r'run again\.$'):
+    multi30k.download(str(tmp_path / 'data'))
+  assert not (tmp_path / 'data' / 'train.de.gz').exists()

@@ -39,10 +39,15 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, request, monkeypatch):
                 'position 0 unchanged: True', 'without the mask:',
                 'full prefix vs one token + cache', 'beam 2:',
                 "the full model's log p", 'toy: exact match 1.0',
-                'without positions: permuted input'):
+                'without positions: permuted input',
+                'on no later one', 'the library agrees at both steps',
+                'the cache holds the keys and values of one teacher-forced pass'):
     assert claim in outputs, claim
   images = [o for cell in notebook.cells if cell.cell_type == 'code'
             for o in cell.outputs if 'image/png' in o.get('data', {})]
-  assert len(images) >= 6  # loss, schedule, curves, three heatmaps
+  assert len(images) >= 8  # Figure 1, loss, schedule, the copy run's curves, 4 attention maps
+  for drawing in ('plots.figure_one(', 'plots.attention_heatmaps('):  # each shown as a picture
+    cell = next(c for c in notebook.cells if drawing in c.source)
+    assert any('image/png' in o.get('data', {}) for o in cell.outputs), drawing
   if os.path.isdir(MULTI30K):
     assert 'lowercased' in outputs and 'pieces' in outputs

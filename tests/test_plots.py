@@ -8,6 +8,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from flaxformer_mini import logbook, plots, tour, workdir
+from flaxformer_mini.config import get_config
 
 
 def _tensorboard_scalars(directory):
@@ -111,3 +112,16 @@ def test_a_models_three_kinds_of_attention(toy_config, toy_params):
       'source position (key)')
   assert [t.get_text() for t in cross.get_xticklabels()] == ['a', 'b', 'c']
   assert [t.get_text() for t in cross.get_yticklabels()] == ['bos', 'x']
+
+
+def test_figure_one_labels_every_arrow_with_the_live_tensor():
+  config = get_config('toy')
+  stops = tour.tensor_tour(config, None, tour.example_batch(config))
+  figure = plots.figure_one(stops, config)
+  texts = '\n'.join(t.get_text() for t in figure.axes[0].texts)
+  shapes = {s.name: list(s.shape) for s in stops}
+  for name in ('batch/src', 'batch/tgt_in', 'encoder/embedded', 'decoder/embedded',
+               'encoder/layer_0/self_attention/query',
+               'decoder/layer_0/cross_attention/key', 'logits'):
+    assert f'{name.split("/")[-1]} {shapes[name]}' in texts, name
+  assert f'{config.num_encoder_layers}x' in texts

@@ -1,0 +1,60 @@
+"""What colab/build.py derives from the notebook stays in step with it.
+
+The notebook's executed copy must hold the notebook's own cells (so it is
+regenerated whenever a cell changes), and the repository's address, written
+once in pyproject.toml, must reach the notebook's REPO_URL and the badges.
+"""
+
+import os
+import subprocess
+import sys
+
+import nbformat
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, 'colab'))
+import build  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+URL = 'https://github.com/someone/flaxformer_mini'
+COLAB_URL = ('https://colab.research.google.com/github/someone/flaxformer_mini/blob/main/'
+             'colab/flaxformer_mini.ipynb')
+
+
+def test_the_notebook_its_executed_copy_and_the_readme_agree():
+  checked = subprocess.run([sys.executable, os.path.join(ROOT, 'colab', 'build.py'), '--check'],
+                           capture_output=True, text=True, check=False)
+  assert checked.returncode == 0, checked.stderr
+
+
+def test_the_repository_address_reaches_repo_url_and_both_badges():
+  notebook = build.addressed_notebook(nbformat.read(build.NOTEBOOK, as_version=4), URL)
+  install = next(c.source for c in notebook.cells if c.cell_type == 'code')
+  assert f"REPO_URL = '{URL}'  # @param" in install
+  assert COLAB_URL in notebook.cells[0].source
+  with open(build.README, encoding='utf-8') as f:
+    readme = build._with_badge(f.read(), URL)
+  assert readme.split('\n')[readme.split('\n').index(build.BADGE_MARK) + 1].endswith(
+      f'({COLAB_URL})')
+  # Idempotent, and an unset address takes the badge away again.
+  assert build._with_badge(readme, URL) == readme
+  assert COLAB_URL not in build._with_badge(readme, '')
+  again = build.addressed_notebook(notebook, '')
+  assert "REPO_URL = ''  # @param" in next(
+      c.source for c in again.cells if c.cell_type == 'code')
+  assert 'colab.research.google.com/github' not in again.cells[0].source
+
+
+def test_only_github_addresses_get_a_badge():
+  assert build.badge(URL + '.git').endswith(f'({COLAB_URL})')
+  assert build.badge('https://gitlab.com/someone/flaxformer_mini') == ''
+  assert build.badge('') == ''
+
+
+def test_colab_opens_it_on_a_tpu_with_a_form_for_each_setting():
+  notebook = nbformat.read(build.NOTEBOOK, as_version=4)
+  assert notebook.metadata.accelerator == 'TPU'
+  assert notebook.metadata.colab.gpuType == 'V5E1'
+  settings = next(c.source for c in notebook.cells if c.source.startswith('# @title Settings'))
+  for name in ('DTYPE', 'QUICK', 'TRANSLATE_MINUTES', 'SRC_LANG', 'TGT_LANG', 'DATA_DIR'):
+    assert any(line.startswith(f'{name} = ') and '# @param' in line
+               for line in settings.split('\n')), name
