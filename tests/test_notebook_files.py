@@ -58,3 +58,29 @@ def test_colab_opens_it_on_a_tpu_with_a_form_for_each_setting():
   for name in ('DTYPE', 'QUICK', 'TRANSLATE_MINUTES', 'SRC_LANG', 'TGT_LANG', 'DATA_DIR'):
     assert any(line.startswith(f'{name} = ') and '# @param' in line
                for line in settings.split('\n')), name
+
+
+def _install_cell(tmp_path, repo_url: str) -> subprocess.CompletedProcess:
+  """The notebook's first cell, run where flaxformer_mini is not importable (python -S: no
+  site-packages) and no clone is around (cwd tmp_path), as in a fresh Colab runtime."""
+  notebook = nbformat.read(build.NOTEBOOK, as_version=4)
+  cell = next(c.source for c in notebook.cells if c.cell_type == 'code')
+  return subprocess.run([sys.executable, '-S', '-c', cell], cwd=tmp_path, capture_output=True,
+                        text=True, check=False, timeout=300,
+                        env={**os.environ, 'FLAXFORMER_MINI_REPO_URL': repo_url})
+
+
+def test_the_install_cell_without_code_or_address_says_what_to_do(tmp_path):
+  ran = _install_cell(tmp_path, '')
+  assert ran.returncode == 1
+  assert ran.stderr.strip().splitlines() == [
+      'This notebook needs the flaxformer_mini code: open it from a clone of the project, or '
+      'set REPO_URL in this cell to its git address and run it again.']
+
+
+def test_the_install_cell_says_what_to_do_when_pip_cannot_install(tmp_path):
+  ran = _install_cell(tmp_path, f'file://{tmp_path}/nowhere')
+  assert ran.returncode == 1
+  assert ran.stderr.strip().splitlines()[-1] == (
+      f'pip could not install flaxformer_mini[translate] @ git+file://{tmp_path}/nowhere (its '
+      'message is above): check the internet connection and REPO_URL, then run this cell again.')
