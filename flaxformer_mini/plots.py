@@ -241,6 +241,12 @@ def figure_one(stops: list, config) -> Figure:
     axis.plot([x, x], [3.3, 4.2], color='black', lw=1.0)
     label(x + 0.12, 3.75, _shape(stops, f'{table.split("/")[0]}/embedded'))
 
+  def sublayer(x, y, title, kind, output=None):
+    """A sublayer's box at height y, its output's arrow, Add & Norm above it."""
+    box(x, y, title, kind)
+    flow(x, y, y + 1.5, output)
+    box(x, y + 1.5, 'Add & Norm', 'norm')
+
   def stack(x, bottom, top, layers):
     axis.add_patch(FancyBboxPatch((x - 1.9, bottom), 3.8, top - bottom, zorder=1,
                                   boxstyle='round,pad=0.1', fc='#f2f2f2', ec='gray'))
@@ -251,13 +257,9 @@ def figure_one(stops: list, config) -> Figure:
   inputs(enc, 'input', 'Inputs', 'batch/src', 'encoder/positional_encoding/table')
   stack(enc, 3.95, 10.3, config.num_encoder_layers)
   three_arrows(enc, 5.4, 'encoder/layer_0/self_attention', [(enc, 4.2)] * 3)
-  box(enc, 5.4, 'Multi-Head\nAttention', 'attention')
-  flow(enc, 5.4, 6.9, 'encoder/layer_0/self_attention/output')
-  box(enc, 6.9, 'Add & Norm', 'norm')
+  sublayer(enc, 5.4, 'Multi-Head\nAttention', 'attention', 'encoder/layer_0/self_attention/output')
   flow(enc, 6.9, 8.3, 'encoder/layer_0/after_self_attention')
-  box(enc, 8.3, 'Feed\nForward', 'feed')
-  flow(enc, 8.3, 9.7)
-  box(enc, 9.7, 'Add & Norm', 'norm')
+  sublayer(enc, 8.3, 'Feed\nForward', 'feed')
   encoded = f'encoder/layer_{config.num_encoder_layers - 1}/after_feed_forward'
   # The encoder's output: keys and values of every decoder layer's second block.
   axis.plot([enc, enc, dec - 1.6, dec - 1.6], [10.15, 11.2, 11.2, 7.7], color=red, lw=1.2)
@@ -269,20 +271,15 @@ def figure_one(stops: list, config) -> Figure:
          'decoder/positional_encoding/table')
   stack(dec, 3.95, 14.1, config.num_decoder_layers)
   three_arrows(dec, 5.4, 'decoder/layer_0/self_attention', [(dec, 4.2)] * 3)
-  box(dec, 5.4, 'Masked\nMulti-Head\nAttention', 'attention')
-  flow(dec, 5.4, 6.9, 'decoder/layer_0/self_attention/output')
-  box(dec, 6.9, 'Add & Norm', 'norm')
+  sublayer(dec, 5.4, 'Masked\nMulti-Head\nAttention', 'attention',
+           'decoder/layer_0/self_attention/output')
   axis.plot([dec, dec], [7.35, 7.7], color='black', lw=1.0)
   label(dec + 1.35, 7.6, _shape(stops, 'decoder/layer_0/after_self_attention'))
   three_arrows(dec, 8.9, 'decoder/layer_0/cross_attention',
                [(dec, 7.7), (dec - 0.7, 7.7), (dec - 0.7, 7.7)], offsets=(0.7, -0.7, 0.0))
-  box(dec, 8.9, 'Multi-Head\nAttention', 'attention')
-  flow(dec, 8.9, 10.4, 'decoder/layer_0/cross_attention/output')
-  box(dec, 10.4, 'Add & Norm', 'norm')
+  sublayer(dec, 8.9, 'Multi-Head\nAttention', 'attention', 'decoder/layer_0/cross_attention/output')
   flow(dec, 10.4, 11.9, 'decoder/layer_0/after_cross_attention')
-  box(dec, 11.9, 'Feed\nForward', 'feed')
-  flow(dec, 11.9, 13.4)
-  box(dec, 13.4, 'Add & Norm', 'norm')
+  sublayer(dec, 11.9, 'Feed\nForward', 'feed')
   flow(dec, 13.4, 15.0, f'decoder/layer_{config.num_decoder_layers - 1}/after_feed_forward')
   box(dec, 15.0, 'Linear', 'out')
   flow(dec, 15.0, 16.2, 'logits')
