@@ -75,21 +75,27 @@ def write_split(directory: str, split: str,
   os.replace(status + '.tmp', status)
 
 
-def encoded_chunks(source, languages: tuple[str, str], tokenizer,
-                   chunk: int = CHUNK) -> Iterator[tuple[list, list]]:
-  """(source ids, target ids) of a TFDS data source, `chunk` pairs at a time.
+def source_texts(source, indices, languages: tuple[str, str],
+                 chunk: int = CHUNK) -> Iterator[tuple[list[str], list[str]]]:
+  """(source texts, target texts) of a TFDS data source's pairs at `indices`
+  (a sequence of ints), `chunk` pairs at a time.
 
   Lines are stripped as the local builder strips them, so a catalog dataset
-  and local files are encoded alike.
+  and local files read alike.
   """
+  for start in range(0, len(indices), chunk):
+    examples = source.__getitems__(list(indices[start:start + chunk]))
+    yield tuple([e[lang].decode('utf-8').strip() for e in examples]
+                for lang in languages)
+
+
+def encoded_chunks(source, languages: tuple[str, str], tokenizer,
+                   chunk: int = CHUNK) -> Iterator[tuple[list, list]]:
+  """(source ids, target ids) of all of a TFDS data source's pairs, `chunk`
+  pairs at a time."""
   threads = os.cpu_count() or 1
-  for start in range(0, len(source), chunk):
-    examples = source.__getitems__(range(start, min(start + chunk,
-                                                    len(source))))
-    yield tuple(
-        tokenizer.encode([e[lang].decode('utf-8').strip() for e in examples],
-                         num_threads=threads)
-        for lang in languages)
+  for texts in source_texts(source, range(len(source)), languages, chunk):
+    yield tuple(tokenizer.encode(side, num_threads=threads) for side in texts)
 
 
 def is_complete(directory: str, split: str) -> bool:

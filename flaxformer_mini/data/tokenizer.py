@@ -13,7 +13,7 @@ import numpy as np
 import sentencepiece as spm
 
 from flaxformer_mini.config import TransformerConfig
-from flaxformer_mini.data import DataError
+from flaxformer_mini.data import DataError, tokenized
 
 
 # The pairs a vocabulary is trained on when config.vocab_sample is 0: enough
@@ -44,10 +44,9 @@ def sample_sentences(source, languages: tuple[str, str],
       np.random.default_rng(config.seed).choice(len(source), count,
                                                 replace=False)))
   sides = ([], [])
-  for start in range(0, count, 10_000):
-    examples = source.__getitems__(chosen[start:start + 10_000].tolist())
-    for side, lang in zip(sides, languages):
-      side += [e[lang].decode('utf-8').strip() for e in examples]
+  for texts in tokenized.source_texts(source, chosen.tolist(), languages):
+    for side, text in zip(sides, texts):
+      side += text
   return sides[0] + sides[1]
 
 
