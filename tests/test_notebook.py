@@ -41,7 +41,9 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, request, monkeypatch):
                 "the full model's log p", 'toy: exact match 1.0',
                 'without positions: permuted input',
                 'on no later one', 'the library agrees at both steps',
-                'the cache holds the keys and values of one teacher-forced pass'):
+                'the cache holds the keys and values of one teacher-forced pass',
+                'position by position', 'they part at output position',
+                'one fixed rotation of PE[p]'):
     assert claim in outputs, claim
   images = [o for cell in notebook.cells if cell.cell_type == 'code'
             for o in cell.outputs if 'image/png' in o.get('data', {})]
