@@ -5,10 +5,12 @@ small slice of it written to a temporary directory; they skip where it is
 absent.
 """
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -138,6 +140,17 @@ def test_token_batches_respect_the_budget_and_cover_each_example_once():
   orders = [[m.tolist() for _, m in batches.epoch_batches(epoch)]
             for epoch in (0, 1)]
   assert orders[0] != orders[1]
+
+
+def test_token_batches_keep_their_own_plans_and_free_them_with_themselves():
+  config = get_config('translate').replace(max_len=64)
+  pairs = batching.Pairs(*_random_pairs(200, np.random.default_rng(4)))
+  first = batching.TokenBatches(pairs, config, 1000)
+  batching.TokenBatches(pairs, config.replace(seed=1), 1000).batch_at(0)  # another one's plans
+  gone = weakref.ref(first)
+  del first
+  gc.collect()
+  assert gone() is None  # no cache keeps a finished epoch's batches (and their pairs) alive
 
 
 def test_a_shard_reads_only_its_own_rows_and_the_shards_make_the_batch():

@@ -100,6 +100,10 @@ class TokenBatches:
             f'{row_multiple}-row batch of length {length}; raise it to at '
             f'least {length * row_multiple}.')
       self.rows[index] = rows
+    # The plans of the last two epochs asked for (the threads that make
+    # batches ahead read across an epoch boundary). A cache of this instance:
+    # one on the method would be shared by every instance and keep them alive.
+    self._plan = functools.lru_cache(maxsize=2)(self._make_plan)
     self.per_epoch = len(self._plan(0))
 
   def rows_of(self, length: int) -> int:
@@ -110,8 +114,7 @@ class TokenBatches:
     """The distinct (rows, length) batch shapes that can occur."""
     return {(self.rows[b], self.buckets[b]) for b in self.members}
 
-  @functools.lru_cache(maxsize=2)
-  def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+  def _make_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
     """[(bucket, example indices)] for every batch of `epoch`, in order."""
     rng = np.random.default_rng((self.config.seed, epoch))
     batches = []
