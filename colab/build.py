@@ -15,6 +15,7 @@ are skipped without one: pass '' for that).
 """
 
 import argparse
+import copy
 import os
 import re
 import sys
@@ -67,8 +68,9 @@ def addressed_notebook(notebook, url: str):
   return notebook
 
 
-def code_cells(notebook) -> list[str]:
-  return [cell.source for cell in notebook.cells if cell.cell_type == 'code']
+def cells(notebook) -> list[tuple[str, str]]:
+  """(type, source) of every cell: what the executed copy must share with the notebook."""
+  return [(cell.cell_type, cell.source) for cell in notebook.cells]
 
 
 def execute(notebook, data_dir: str):
@@ -100,16 +102,16 @@ def main(argv: list[str]) -> None:
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   with open(README, encoding='utf-8') as f:
     readme = f.read()
-  wanted_notebook = addressed_notebook(nbformat.read(NOTEBOOK, as_version=4), url)
+  wanted_notebook = addressed_notebook(copy.deepcopy(notebook), url)
   wanted_readme = _with_badge(readme, url)
   if args.check:
     stale = []
-    if [c.source for c in wanted_notebook.cells] != [c.source for c in notebook.cells]:
+    if cells(wanted_notebook) != cells(notebook):
       stale.append(f'{NOTEBOOK} (its REPO_URL or badge)')
     if wanted_readme != readme:
       stale.append(f'{README} (its badge)')
     if (not os.path.isfile(EXECUTED) or
-        code_cells(nbformat.read(EXECUTED, as_version=4)) != code_cells(notebook)):
+        cells(nbformat.read(EXECUTED, as_version=4)) != cells(notebook)):
       stale.append(f'{EXECUTED} (its cells differ from the notebook\'s)')
     if stale:
       sys.exit('out of date: ' + '; '.join(stale) + ': run python colab/build.py --execute DATA_DIR')

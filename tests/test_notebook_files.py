@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, 'colab'))
@@ -24,6 +25,17 @@ def test_the_notebook_its_executed_copy_and_the_readme_agree():
   checked = subprocess.run([sys.executable, os.path.join(ROOT, 'colab', 'build.py'), '--check'],
                            capture_output=True, text=True, check=False)
   assert checked.returncode == 0, checked.stderr
+
+
+def test_a_changed_text_cell_makes_the_executed_copy_stale(tmp_path, monkeypatch):
+  notebook = nbformat.read(build.NOTEBOOK, as_version=4)
+  text = next(cell for cell in notebook.cells if cell.cell_type == 'markdown')
+  text.source += '\n\nOne more sentence.'
+  changed = tmp_path / 'flaxformer_mini.ipynb'
+  nbformat.write(notebook, str(changed))
+  monkeypatch.setattr(build, 'NOTEBOOK', str(changed))
+  with pytest.raises(SystemExit, match=r'flaxformer_mini.executed.ipynb \(its cells differ'):
+    build.main(['--check'])
 
 
 def test_the_repository_address_reaches_repo_url_and_both_badges():
