@@ -38,11 +38,13 @@ from flaxformer_mini.training import TrainState, init_params
 
 # Fields that may change between a run and its resumption: how long (and so
 # where the learning rate cools down), how often to log, evaluate and save,
-# and how the products are computed (the same values).
+# how the products are computed (the same values), and in how many
+# micro-batches an update's batch is taken (the same update, on a machine
+# with fewer or more devices).
 RESUMABLE_FIELDS = frozenset({
     'train_steps', 'cooldown_steps', 'max_train_minutes', 'log_every',
     'eval_every', 'checkpoint_every', 'keep_checkpoints', 'cpu_kernels',
-    'average_last'})
+    'average_last', 'grad_accumulation'})
 
 
 class _QuietOrbax(logging.Filter):

@@ -25,10 +25,11 @@ import tqdm
 from flaxformer_mini import logbook, plots
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
-                                         config_differences)
+                                         config_differences, saved_config)
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import DataParallel
+from flaxformer_mini.schedules import carry_over, make_optimizer
 from flaxformer_mini.training import TrainState, create_train_state
 from flaxformer_mini.workdir import Workdir
 
@@ -393,16 +394,25 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
   latest = checkpoints.latest_step()
   if latest is None:
     return state, dropout_rng, 0
-  differences = config_differences(checkpoints.read_meta(latest)['config'],
-                                   config)
+  meta = checkpoints.read_meta(latest)
+  differences = config_differences(meta['config'], config)
   if differences:
     raise CheckpointError(
         f'{checkpoints.directory} holds checkpoints of another config ('
         + '; '.join(differences) + '). Use those values, another --workdir, '
         'or --fresh to set the old run aside and start over.')
-  state, meta = checkpoints.restore(latest, state, parallel.replicated)
+  like = state
+  saved = saved_config(meta)
+  if saved.grad_accumulation != config.grad_accumulation:
+    # Read in the optimizer structure it was saved in, then carried over.
+    like = state.replace(opt_state=jax.eval_shape(
+        make_optimizer(saved).init, state.params))
+  restored, meta = checkpoints.restore(latest, like, parallel.replicated)
+  if like is not state:
+    restored = restored.replace(opt_state=carry_over(
+        restored.opt_state, state.opt_state, meta['step']))
   rng = jax.random.wrap_key_data(np.asarray(meta['rng'], np.uint32))
-  return state, rng, latest
+  return restored, rng, latest
 
 
 @dataclasses.dataclass

@@ -64,3 +64,18 @@ def make_optimizer(config: TransformerConfig) -> optax.GradientTransformation:
     return adam
   return optax.MultiSteps(adam, every_k_schedule=config.grad_accumulation,
                           use_grad_mean=False).gradient_transformation()
+
+
+def carry_over(opt_state, fresh, step: int):
+  """A state of make_optimizer saved between two updates, in the structure
+  of `fresh` (make_optimizer(...).init of another grad_accumulation).
+
+  Adam's moments and count carry over; MultiSteps' accumulator starts empty,
+  as it is between two updates (a train step makes all its micro-steps).
+  """
+  adam = (opt_state.inner_opt_state
+          if isinstance(opt_state, optax.MultiStepsState) else opt_state)
+  if not isinstance(fresh, optax.MultiStepsState):
+    return adam
+  return fresh._replace(inner_opt_state=adam,
+                        gradient_step=jnp.asarray(step, jnp.int32))

@@ -89,6 +89,23 @@ def test_a_workdir_of_another_config_is_refused_naming_the_fields(tmp_path,
                                   cooldown_steps=5))
 
 
+@pytest.mark.parametrize('before, after', [(1, 2), (2, 1)])
+def test_a_run_resumes_with_other_micro_batches_and_the_same_updates(
+    tmp_path, cfg, before, after):
+  # No dropout: the micro-batches would draw other masks than the batch.
+  cfg = cfg.replace(dropout_rate=0.0)
+  whole, _ = _train_in(tmp_path / 'whole',
+                       cfg.replace(train_steps=20, grad_accumulation=before))
+  _train_in(tmp_path / 'split', cfg.replace(train_steps=10,
+                                            grad_accumulation=before))
+  second, resumed_from = _train_in(
+      tmp_path / 'split', cfg.replace(train_steps=20, grad_accumulation=after))
+  assert resumed_from == 10 and int(second.step) == 20
+  # The same updates, up to the order in which the micro-batches' sums add.
+  for a, b in zip(_leaves(whole.params), _leaves(second.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_fields_added_later_count_as_their_default_on_resumption(cfg):
   # Checkpoints written before a field existed resume under its default.
   saved = dataclasses.asdict(cfg)
