@@ -383,7 +383,9 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
                     parallel: DataParallel) -> tuple[TrainState, object, int]:
   """The latest checkpoint of a compatible run, or a fresh state.
 
-  Returns (state, dropout key, the step resumed from or 0).
+  A run saved with another grad_accumulation resumes with its optimizer
+  state carried over (schedules.carry_over). Returns (state, dropout key,
+  the step resumed from or 0).
 
   Raises:
     CheckpointError: the checkpoints were written with a different config,
@@ -401,14 +403,14 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
         f'{checkpoints.directory} holds checkpoints of another config ('
         + '; '.join(differences) + '). Use those values, another --workdir, '
         'or --fresh to set the old run aside and start over.')
-  like = state
   saved = saved_config(meta)
-  if saved.grad_accumulation != config.grad_accumulation:
-    # Read in the optimizer structure it was saved in, then carried over.
+  regrouped = saved.grad_accumulation != config.grad_accumulation
+  like = state
+  if regrouped:  # read in the optimizer structure it was saved in, then carried over
     like = state.replace(opt_state=jax.eval_shape(
         make_optimizer(saved).init, state.params))
   restored, meta = checkpoints.restore(latest, like, parallel.replicated)
-  if like is not state:
+  if regrouped:
     restored = restored.replace(opt_state=carry_over(
         restored.opt_state, state.opt_state, meta['step']))
   rng = jax.random.wrap_key_data(np.asarray(meta['rng'], np.uint32))
