@@ -1,0 +1,69 @@
+"""A run trained by an earlier version still loads, translates and resumes.
+
+tests/data/run_e577ba4 is a small translation run written by commit e577ba4
+(its make.py says how; 2 micro-batches per update, so its optimizer state is
+that version's optax.MultiSteps layout), with what that version made of it.
+Every later layout change must keep these equal, or convert, or refuse in
+one line: as T5X keeps golden parameter layouts, this keeps a golden run.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from flaxformer_mini import decoding, workdir
+
+GOLDEN = os.path.join(ROOT, 'tests', 'data', 'run_e577ba4')
+
+
+def _expected() -> dict:
+  with open(os.path.join(GOLDEN, 'expected.json'), encoding='utf-8') as f:
+    return json.load(f)
+
+
+def _test_sources() -> list[str]:
+  with open(os.path.join(GOLDEN, 'data', 'test_2016_flickr.de'),
+            encoding='utf-8') as f:
+    return f.read().splitlines()
+
+
+@pytest.mark.parametrize('which', ['best', 'latest', 'averaged'])
+def test_an_e577ba4_run_loads_and_translates_to_the_same_tokens(which):
+  run = workdir.load_run(os.path.join(GOLDEN, 'workdir'), which)
+  translations = decoding.translate_lines(
+      run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
+      alpha=run.config.eval_alpha)
+  assert translations == _expected()['translations'][which]
+
+
+@pytest.mark.slow
+def test_an_e577ba4_run_resumes_as_that_version_resumed_it(tmp_path):
+  """From step 200 of its MultiSteps-state checkpoint to step 240: the same
+  losses (to float32 summation order) and the same translations."""
+  expected = _expected()
+  shutil.copytree(os.path.join(GOLDEN, 'data'), tmp_path / 'data')
+  shutil.copytree(os.path.join(GOLDEN, 'workdir'), tmp_path / 'run')
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), *expected['flags'],
+       '--train_steps=240', f'--workdir={tmp_path / "run"}',
+       f'--data_dir={tmp_path / "data"}'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'resuming from step 200' in done.stdout
+  results = json.loads((tmp_path / 'run' / 'results.json').read_text())
+  resumed = expected['resumed']
+  assert results['resumed_from'] == resumed['resumed_from']
+  assert [r['step'] for r in results['history']] == [
+      r['step'] for r in resumed['history']]
+  for now, then in zip(results['history'], resumed['history']):
+    assert now['loss'] == pytest.approx(then['loss'], rel=1e-5)
+    assert now['accuracy'] == pytest.approx(then['accuracy'], abs=1e-3)
+  run = workdir.load_run(str(tmp_path / 'run'), 'latest')
+  assert decoding.translate_lines(
+      run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
+      alpha=run.config.eval_alpha) == resumed['translations']
