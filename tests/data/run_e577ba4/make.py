@@ -19,8 +19,10 @@ What it writes:
               it can make again (tfds/, tensorboard/, the pictures).
   expected.json  what e577ba4 made of it: the translate command's output on
               the test sources, with the best, latest and averaged
-              parameters; and the run resumed to step 240 from a copy of
-              workdir/: its logged losses and its translations.
+              parameters; and the run resumed for two steps from a copy of
+              workdir/, logging each: its losses (the first is the restored
+              parameters', the second follows the restored Adam state's
+              update) and its translations.
 """
 
 import json
@@ -88,7 +90,8 @@ def main(out: str) -> None:
                                  for which in ('best', 'latest', 'averaged')}}
     resumed = os.path.join(scratch, 'resumed')
     shutil.copytree(workdir, resumed)
-    subprocess.run([sys.executable, 'train.py', *FLAGS, '--train_steps=240',
+    subprocess.run([sys.executable, 'train.py', *FLAGS, '--train_steps=202',
+                    '--log_every=1',
                     f'--workdir={resumed}', f'--data_dir={data}'], check=True)
     with open(os.path.join(resumed, 'results.json'), encoding='utf-8') as f:
       results = json.load(f)
