@@ -30,6 +30,7 @@ import zlib
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
@@ -39,8 +40,8 @@ from flaxformer_mini.training import TrainState, init_params
 # Fields that may change between a run and its resumption: how long (and so
 # where the learning rate cools down), how often to log, evaluate and save,
 # how the products are computed (the same values), and in how many
-# micro-batches an update's batch is taken (the same update, on a machine
-# with fewer or more devices).
+# micro-batches an update's batch is taken (the same update and optimizer
+# state, on a machine with fewer or more devices).
 RESUMABLE_FIELDS = frozenset({
     'train_steps', 'cooldown_steps', 'max_train_minutes', 'log_every',
     'eval_every', 'checkpoint_every', 'keep_checkpoints', 'cpu_kernels',
@@ -265,19 +266,41 @@ class Checkpoints:
     """
     sharding = sharding or _replicated()
     self._check_shapes(step, 'params', like.params)
+    multi_steps = self._saved_in_multi_steps(step)
+    opt_state = like.opt_state
+    if multi_steps:
+      opt_state = jax.eval_shape(optax.MultiSteps(like.tx, 2).init,
+                                 like.params)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(_abstract(like.params, sharding)),
-          opt_state=ocp.args.StandardRestore(
-              _abstract(like.opt_state, sharding)),
+          opt_state=ocp.args.StandardRestore(_abstract(opt_state, sharding)),
           meta=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
       raise self._unreadable(step, e) from None
     meta = restored['meta']
     self._verify(step, meta, restored)
+    opt_state = restored['opt_state']
+    if multi_steps:
+      opt_state = opt_state.inner_opt_state
     state = like.replace(step=meta['step'], params=restored['params'],
-                         opt_state=restored['opt_state'])
+                         opt_state=opt_state)
     return state, meta
+
+  def _saved_in_multi_steps(self, step: int) -> bool:
+    """Whether `step` holds its optimizer state in optax.MultiSteps' layout.
+
+    Versions up to e577ba4 accumulated the gradients of
+    grad_accumulation > 1 in MultiSteps, which wraps Adam's state; saved
+    between two updates, its accumulator is empty and Adam's state
+    (inner_opt_state) is all a resumed run needs.
+    """
+    try:
+      saved = self.manager.item_metadata(step)['opt_state']
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._unreadable(step, e) from None
+    saved_tree = saved.tree if hasattr(saved, 'tree') else saved
+    return isinstance(saved_tree, dict) and 'inner_opt_state' in saved_tree
 
   def restore_params(self, step: int, like_params, sharding=None):
     """Only the parameters of `step` (for inference), verified."""

@@ -76,8 +76,8 @@ class TransformerConfig:
   # The training run.
   batch_size: int = 64
   # Each update sums the gradients of this many micro-batches, each 1/N of
-  # the batch (optax.MultiSteps): the update of the whole batch in the
-  # memory of one micro-batch, so the paper's batch fits on fewer devices.
+  # the batch: the update of the whole batch in the memory of one
+  # micro-batch, so the paper's batch fits on fewer devices.
   grad_accumulation: int = 1
   train_steps: int = 100_000
   max_train_minutes: float = 0.0  # stop (and save) after this long; 0 = no limit

@@ -25,11 +25,10 @@ import tqdm
 from flaxformer_mini import logbook, plots
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
-                                         config_differences, saved_config)
+                                         config_differences)
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import DataParallel
-from flaxformer_mini.schedules import carry_over, make_optimizer
 from flaxformer_mini.training import TrainState, create_train_state
 from flaxformer_mini.workdir import Workdir
 
@@ -383,9 +382,7 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
                     parallel: DataParallel) -> tuple[TrainState, object, int]:
   """The latest checkpoint of a compatible run, or a fresh state.
 
-  A run saved with another grad_accumulation resumes with its optimizer
-  state carried over (schedules.carry_over). Returns (state, dropout key,
-  the step resumed from or 0).
+  Returns (state, dropout key, the step resumed from or 0).
 
   Raises:
     CheckpointError: the checkpoints were written with a different config,
@@ -403,16 +400,7 @@ def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
         f'{checkpoints.directory} holds checkpoints of another config ('
         + '; '.join(differences) + '). Use those values, another --workdir, '
         'or --fresh to set the old run aside and start over.')
-  saved = saved_config(meta)
-  regrouped = saved.grad_accumulation != config.grad_accumulation
-  like = state
-  if regrouped:  # read in the optimizer structure it was saved in, then carried over
-    like = state.replace(opt_state=jax.eval_shape(
-        make_optimizer(saved).init, state.params))
-  restored, meta = checkpoints.restore(latest, like, parallel.replicated)
-  if regrouped:
-    restored = restored.replace(opt_state=carry_over(
-        restored.opt_state, state.opt_state, meta['step']))
+  restored, meta = checkpoints.restore(latest, state, parallel.replicated)
   rng = jax.random.wrap_key_data(np.asarray(meta['rng'], np.uint32))
   return restored, rng, latest
 

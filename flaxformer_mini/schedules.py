@@ -54,28 +54,8 @@ def learning_rate_schedule(config: TransformerConfig) -> optax.Schedule:
 def make_optimizer(config: TransformerConfig) -> optax.GradientTransformation:
   """The paper's Adam: beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9.
 
-  With config.grad_accumulation = N > 1, inside optax.MultiSteps: Adam
-  updates once every N calls, with the sum of the N gradients it was given
-  (each already divided by the whole batch's tokens: see train_step).
+  Gradient accumulation is the training step's (train_step sums the
+  micro-batches' gradients), so this state is the same whatever
+  config.grad_accumulation is.
   """
-  adam = optax.adam(learning_rate_schedule(config), b1=0.9, b2=0.98,
-                    eps=1e-9)
-  if config.grad_accumulation == 1:
-    return adam
-  return optax.MultiSteps(adam, every_k_schedule=config.grad_accumulation,
-                          use_grad_mean=False).gradient_transformation()
-
-
-def carry_over(opt_state, fresh, step: int):
-  """A state of make_optimizer saved between two updates, in the structure
-  of `fresh` (make_optimizer(...).init of another grad_accumulation).
-
-  Adam's moments and count carry over; MultiSteps' accumulator starts empty,
-  as it is between two updates (a train step makes all its micro-steps).
-  """
-  adam = (opt_state.inner_opt_state
-          if isinstance(opt_state, optax.MultiStepsState) else opt_state)
-  if not isinstance(fresh, optax.MultiStepsState):
-    return adam
-  return fresh._replace(inner_opt_state=adam,
-                        gradient_step=jnp.asarray(step, jnp.int32))
+  return optax.adam(learning_rate_schedule(config), b1=0.9, b2=0.98, eps=1e-9)

@@ -9,7 +9,6 @@ they add up exactly over steps, devices and hosts.
 import flax.training.train_state
 import jax
 import jax.numpy as jnp
-import optax
 
 from flaxformer_mini import losses
 from flaxformer_mini.config import TransformerConfig
@@ -64,11 +63,10 @@ def train_step(state: TrainState, batch: Batch, rng,
 
   With config.grad_accumulation = N > 1 the batch is taken as N
   micro-batches of rows / N rows, one after another (a `lax.scan`, so only
-  one micro-batch's activations are alive at a time): each one's gradient,
-  divided by the real target tokens of the whole batch, goes to optax's
-  MultiSteps, which sums them and updates the parameters once with the
-  sum, the gradient of the whole batch. The step counts updates, not
-  micro-batches.
+  one micro-batch's activations are alive at a time), and their gradients
+  are summed: Adam then updates once with the gradient of the whole batch.
+  The optimizer state is the same whatever N is, so a run resumes with
+  another N (on more or fewer devices) as it is.
 
   Args:
     state: the TrainState (params, optimizer state, step). The model is
@@ -92,39 +90,28 @@ def train_step(state: TrainState, batch: Batch, rng,
   if axis_name is not None:
     dropout_rng = jax.random.fold_in(dropout_rng,
                                      jax.lax.axis_index(axis_name))
-  # Gradient of the summed loss / tokens = gradient of the per-token mean,
-  # the tokens being those of the global batch, every micro-batch included.
-  denominator = jnp.sum(batch.tgt_out != config.pad_id)
-  if axis_name is not None:
-    denominator = jax.lax.psum(denominator, axis_name)
-  denominator = jnp.maximum(denominator, 1).astype(jnp.float32)
-
-  def gradients(params, micro_batch: Batch, key):
-    grads, metrics = jax.grad(_loss_and_metrics, has_aux=True)(
-        params, micro_batch, config, False, key)
-    if axis_name is not None:
-      grads, metrics = jax.lax.psum((grads, metrics), axis_name)
-    return jax.tree.map(lambda g: g / denominator, grads), metrics
-
+  grad_fn = jax.grad(_loss_and_metrics, has_aux=True)
   count = config.grad_accumulation
   if count == 1:
-    grads, metrics = gradients(state.params, batch, dropout_rng)
-    new_state = state.apply_gradients(grads=grads)
+    grads, metrics = grad_fn(state.params, batch, config, False, dropout_rng)
   else:
-    def micro_step(carry, micro):
-      params, opt_state = carry
+    def micro_step(summed, micro):
       index, micro_batch = micro
-      grads, metrics = gradients(params, micro_batch,
-                                 jax.random.fold_in(dropout_rng, index))
-      updates, opt_state = state.tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), metrics
+      grads, metrics = grad_fn(state.params, micro_batch, config, False,
+                               jax.random.fold_in(dropout_rng, index))
+      return jax.tree.map(jnp.add, summed, grads), metrics
 
-    (params, opt_state), metrics = jax.lax.scan(
-        micro_step, (state.params, state.opt_state),
+    grads, metrics = jax.lax.scan(
+        micro_step, jax.tree.map(jnp.zeros_like, state.params),
         (jnp.arange(count), _micro_batches(batch, count, config.pad_id)))
     metrics = jax.tree.map(lambda m: m.sum(axis=0), metrics)
-    new_state = state.replace(step=state.step + 1, params=params,
-                              opt_state=opt_state)
+  if axis_name is not None:
+    grads, metrics = jax.lax.psum((grads, metrics), axis_name)
+  # Gradient of the summed loss / tokens = gradient of the per-token mean,
+  # the tokens being those of the global batch, every micro-batch included.
+  denominator = jnp.maximum(metrics['ntokens'], 1).astype(jnp.float32)
+  grads = jax.tree.map(lambda g: g / denominator, grads)
+  new_state = state.apply_gradients(grads=grads)
   metrics['learning_rate'] = learning_rate_schedule(config)(state.step)
   return new_state, metrics
 

@@ -71,6 +71,9 @@ def test_accumulated_micro_batches_make_the_update_of_the_whole_batch(
     finals[count] = state, metrics
   (one, one_metrics), (four, four_metrics) = finals[1], finals[4]
   assert int(one.step) == int(four.step) == 2
+  # One mechanism: the optimizer state is Adam's whatever the count is.
+  assert (jax.tree.structure(one.opt_state) ==
+          jax.tree.structure(four.opt_state))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5,
                                                        atol=2e-6),
                one.params, four.params)
