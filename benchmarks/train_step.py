@@ -11,15 +11,15 @@ schedule, donated state), on fixed synthetic batches of random token ids.
 `--pad full`: every sentence has the full length; `pad20`: each sentence's
 length is uniform in [0.6 L, L] (about 20 % padding). Compile time is the
 ahead-of-time lower + compile, apart; `step_s` is the median of --steps steps
-after a warm-up, each run to completion. --batch overrides the issue's batch
-size: on a GPU or TPU the issue's 16 x 64 tokens cannot fill the chip, so the
+after a warm-up, each run to completion. --batch overrides the batch size of
+SHAPES: on a GPU or TPU base's 16 x 64 tokens cannot fill the chip, so the
 accelerator suite also measures a batch the size of the paper's per-step
 batches.
 
-FLOPs (README, "Performance"): 3 x forward, forward = 2 x matmul parameters x
-positions + 4 x batch x d_model x layers x (Ls^2 + Lt^2 + Lt Ls), over all
-positions, pad included. MFU divides by the measured matmul peak
-(benchmarks/peak.py; measured here unless --peak_gflops is given).
+FLOPs (README, "Performance"): the matrix products of the traced training
+step, forward and backward (benchmarks/flops.py), over all positions, pad
+included. MFU divides by the measured matmul peak (benchmarks/peak.py;
+measured here unless --peak_gflops is given).
 
 The Flax WMT example's model (benchmarks/flax_wmt.py) runs on the same
 batches in the same process, its steps interleaved with ours so that both see
@@ -41,27 +41,11 @@ from flaxformer_mini.training import create_train_state
 
 import common
 import flax_wmt
+import flops as flops_lib
 import peak
 
-# The issue's fixed shapes: (sentences per batch, source = target length).
+# The measured shapes: (sentences per batch, source = target length).
 SHAPES = {'small': (64, 32), 'base': (16, 64)}
-
-
-def model_flops_per_step(config, batch: int, src_len: int,
-                         tgt_len: int) -> float:
-  """3 x the forward FLOPs of one batch, counted over all positions."""
-  d, d_ff = config.d_model, config.d_ff
-  # Matmul parameters per source position: the encoder's layers, and the
-  # cross-attention's W^K, W^V, which project the encoder output.
-  encoder = (config.num_encoder_layers * (4 * d * d + 2 * d * d_ff) +
-             config.num_decoder_layers * 2 * d * d)
-  decoder = (config.num_decoder_layers * (6 * d * d + 2 * d * d_ff) +
-             d * config.tgt_vocab_size)  # + the output projection
-  matmuls = 2 * (encoder * batch * src_len + decoder * batch * tgt_len)
-  attention = 4 * batch * d * (
-      config.num_encoder_layers * src_len**2 +
-      config.num_decoder_layers * (tgt_len**2 + tgt_len * src_len))
-  return 3.0 * (matmuls + attention)
 
 
 def synthetic_batches(config, batch: int, length: int, pad: str,
@@ -133,7 +117,7 @@ def measure(config, batch: int, length: int, pad: str, steps: int,
   real = np.mean([int((np.asarray(b.src) != config.pad_id).sum()) +
                   int(b.ntokens) for b in host_batches])
   target = np.mean([int(b.ntokens) for b in host_batches])
-  flops = model_flops_per_step(config, batch, length, length)
+  flops = flops_lib.step_flops(config, batch, length, length)
 
   def figures(name):
     step_s = float(np.median(times[name]))

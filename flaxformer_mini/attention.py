@@ -87,7 +87,7 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv, mask=None, deterministic: bool = True,
-               incremental: bool = False):
+               incremental: bool = False, positions=None):
     """Attends from inputs_q to inputs_kv.
 
     Args:
@@ -102,6 +102,9 @@ class MultiHeadAttention(nn.Module):
       incremental: one step of decoding: self-attention reads and extends
         the key/value cache; cross-attention reads 'cross_kv' where it is
         present and stores its projections there where it is mutable.
+      positions: int32[batch, q_len], the queries' positions: where
+        self-attention writes the new keys and values in its cache, and
+        which cached positions each query may see (incremental only).
 
     Returns:
       dtype[batch, q_len, d_model] (dtype: config.dtype).
@@ -117,7 +120,7 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'key', key)
     self.sow('intermediates', 'value', value)
     if incremental and not self.cross_attention:
-      key, value, mask = self._update_cache(key, value)
+      key, value, mask = self._update_cache(key, value, positions)
 
     # 2) Scaled dot-product attention in every head at once.
     dropout = nn.Dropout(cfg.attention_dropout_rate)
@@ -157,33 +160,30 @@ class MultiHeadAttention(nn.Module):
       self.put_variable('cross_kv', 'value', value)
     return key, value
 
-  def _update_cache(self, key, value):
-    """Writes the new keys/values at the cache index; returns all of them.
+  def _update_cache(self, key, value, positions):
+    """Writes the new keys/values at their positions; returns all of them.
 
-    key, value: dtype[batch, heads, new_len, d_k] -> the cached key and
-    value dtype[batch, heads, cache_len, d_k] and the mask bool[1, 1, new_len,
-    cache_len] that lets query i see the cached positions up to its own.
+    key, value: dtype[batch, heads, new_len, d_k]; positions: int32[batch,
+    new_len], consecutive in each row -> the cached key and value
+    dtype[batch, heads, cache_len, d_k] and the mask bool[batch, 1, new_len,
+    cache_len] that lets each query see the cached positions up to its own.
     """
     is_initialized = self.has_variable('cache', 'cached_key')
     cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape,
                                key.dtype)
     cached_value = self.variable('cache', 'cached_value', jnp.zeros,
                                  value.shape, value.dtype)
-    cache_index = self.variable('cache', 'cache_index',
-                                lambda: jnp.zeros((), jnp.int32))
     new_len, cache_len = key.shape[2], cached_key.value.shape[2]
     if not is_initialized:
       # Initialisation sees the full-length dummy target: it only sizes the
       # cache, so attend causally over that dummy input.
       return key, value, jnp.tril(jnp.ones((new_len, new_len), bool))[None,
                                                                        None]
-    index = cache_index.value
-    start = (0, 0, index, 0)
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key,
-                                                    start)
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value,
-                                                      value, start)
-    cache_index.value = index + new_len
-    query_positions = index + jnp.arange(new_len)
-    mask = jnp.arange(cache_len)[None, :] <= query_positions[:, None]
-    return cached_key.value, cached_value.value, mask[None, None]
+    # Each row writes at its own first position (rows may be at different
+    # steps, e.g. sentences that joined a search later).
+    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
+        cache, new, (0, start, 0)))
+    cached_key.value = write(cached_key.value, key, positions[:, 0])
+    cached_value.value = write(cached_value.value, value, positions[:, 0])
+    mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
+    return cached_key.value, cached_value.value, mask[:, None]

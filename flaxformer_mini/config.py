@@ -12,7 +12,9 @@ import math
 
 
 DTYPES = ('float32', 'bfloat16')
-# The string fields and what each may be.
+# The string fields and what each may be. With the boolean fields they are
+# the config's switches (`switches()`), which the property tests sweep: a
+# new choice is tested by adding it here.
 CHOICES = {'dtype': DTYPES}
 
 
@@ -249,6 +251,15 @@ PRESETS: dict[str, TransformerConfig] = {
         src_vocab_size=32000, tgt_vocab_size=32000, d_model=1024, d_ff=4096,
         num_heads=16, dropout_rate=0.3),
 }
+
+
+def switches() -> dict[str, tuple]:
+  """Every switch of the config and the values it takes: each string field of
+  CHOICES and each boolean field, {name: values}."""
+  booleans = {field.name: (False, True)
+              for field in dataclasses.fields(TransformerConfig)
+              if field.type in (bool, 'bool')}
+  return {**CHOICES, **booleans}
 
 
 def get_config(name: str) -> TransformerConfig:

@@ -37,8 +37,8 @@ def init_cache(config: TransformerConfig, batch_size: int, max_len: int):
   """The decoder's empty key/value cache for `max_len` steps of `batch_size` rows.
 
   -> a pytree of zeros: per decoder layer cached_key and cached_value
-  dtype[batch, heads, max_len, d_k] and a cache_index int32[], plus the
-  positional encoding's position int32[] (dtype: config.dtype).
+  dtype[batch, heads, max_len, d_k] (dtype: config.dtype), and the
+  decoder's position int32[batch], each row's tokens fed so far.
   """
   model = Transformer(config)
   dummy_encoded = jnp.zeros((batch_size, 1, config.d_model), config.dtype)

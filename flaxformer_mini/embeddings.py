@@ -6,7 +6,6 @@ Section 3.5: sinusoidal positional encodings are added to the embeddings.
 """
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,33 +54,31 @@ def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
 
 
 class PositionalEncoding(nn.Module):
-  """Adds the sinusoidal encoding of each position to x.
+  """Adds the sinusoidal encoding of each token's position to x.
 
-  In incremental decoding the module sees one token per call, so it keeps
-  the current position in the 'cache' collection.
+  The positions come from the stack (model.py), which counts them once for
+  the positional encoding and the key/value cache alike.
   """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, incremental: bool = False):
-    """x: dtype[batch, len, d_model] -> dtype[batch, len, d_model]."""
-    length = x.shape[1]
-    if length > self.config.max_len:
-      raise ValueError(f'sequence length {length} exceeds config.max_len='
-                       f'{self.config.max_len}.')
+  def __call__(self, x, positions):
+    """x: dtype[batch, len, d_model]; positions: int32[batch, len] -> dtype[batch, len, d_model]."""
     table = jnp.asarray(sinusoidal_positions(self.config.max_len,
                                              self.config.d_model), x.dtype)
-    if not incremental:
-      self.sow('intermediates', 'table', table[:length])
-      return x + table[None, :length]
-    is_initialized = self.has_variable('cache', 'position')
-    position = self.variable('cache', 'position',
-                             lambda: jnp.zeros((), jnp.int32))
-    if not is_initialized:
-      # Initialisation runs on the full-length dummy input only to shape the cache.
-      return x + table[None, :length]
-    index = position.value
-    position.value = index + length
-    rows = jax.lax.dynamic_slice(table, (index, 0),
-                                 (length, self.config.d_model))
-    return x + rows[None]
+    encoding = jnp.take(table, positions, axis=0)
+    self.sow('intermediates', 'encoding', encoding)
+    return x + encoding
+
+
+def positions_of(batch: int, length: int, max_len: int, start=0):
+  """The positions of `length` tokens from `start` on: -> int32[batch, length].
+
+  start: int32[batch] (or a scalar): each row's first position. A sequence
+  longer than max_len (the positional table) is refused.
+  """
+  if length > max_len:
+    raise ValueError(f'sequence length {length} exceeds config.max_len='
+                     f'{max_len}.')
+  start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,))
+  return start[:, None] + jnp.arange(length, dtype=jnp.int32)[None]

@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, y, encoded, src_mask, tgt_mask, deterministic: bool = True,
-               incremental: bool = False):
+               incremental: bool = False, positions=None):
     """One decoder layer.
 
     Args:
@@ -100,6 +100,8 @@ class DecoderLayer(nn.Module):
         decoding, where the key/value cache supplies the causal mask).
       deterministic: disables dropout.
       incremental: process only the new token(s), using the cache.
+      positions: int32[batch, tgt_len], the tokens' positions (where the
+        cache writes them; incremental only).
 
     Returns:
       dtype[batch, tgt_len, d_model].
@@ -110,7 +112,7 @@ class DecoderLayer(nn.Module):
     feed_forward = FeedForward(self.config, name='feed_forward')
     y = AddAndNorm(self.config, name='self_attention_norm')(
         y, lambda z: self_attention(z, z, tgt_mask, deterministic,
-                                    incremental),
+                                    incremental, positions),
         deterministic)
     self.sow('intermediates', 'after_self_attention', y)
     y = AddAndNorm(self.config, name='cross_attention_norm')(

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from flaxformer_mini import cpu_kernels
 from flaxformer_mini.config import TransformerConfig
-from flaxformer_mini.embeddings import PositionalEncoding, TokenEmbedding
+from flaxformer_mini.embeddings import (PositionalEncoding, TokenEmbedding,
+                                       positions_of)
 from flaxformer_mini.layers import DecoderLayer, EncoderLayer
 
 
@@ -29,7 +30,8 @@ class Encoder(nn.Module):
     cfg = self.config
     tokens = self.embedding(src)
     self.sow('intermediates', 'token_embedding', tokens)
-    x = PositionalEncoding(cfg, name='positional_encoding')(tokens)
+    positions = positions_of(*src.shape, cfg.max_len)
+    x = PositionalEncoding(cfg, name='positional_encoding')(tokens, positions)
     self.sow('intermediates', 'embedded', x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     # remat: recompute each layer in the backward pass instead of keeping its
@@ -61,8 +63,8 @@ class Decoder(nn.Module):
     cfg = self.config
     tokens = self.embedding(tgt_in)
     self.sow('intermediates', 'token_embedding', tokens)
-    y = PositionalEncoding(cfg, name='positional_encoding')(
-        tokens, incremental=incremental)
+    positions = self._positions(*tgt_in.shape, incremental)
+    y = PositionalEncoding(cfg, name='positional_encoding')(tokens, positions)
     self.sow('intermediates', 'embedded', y)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
     # Arguments 5 and 6 (deterministic, incremental) are static; decoding has
@@ -71,11 +73,32 @@ class Decoder(nn.Module):
              if cfg.remat and not incremental else DecoderLayer)
     for i in range(cfg.num_decoder_layers):
       y = layer(cfg, name=f'layer_{i}')(
-          y, encoded, src_mask, tgt_mask, deterministic, incremental)
+          y, encoded, src_mask, tgt_mask, deterministic, incremental,
+          positions)
     if cfg.pre_norm:
       y = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
                        name='final_norm')(y)
     return y
+
+  def _positions(self, batch: int, length: int, incremental: bool):
+    """The positions of the tokens fed now: int32[batch, length].
+
+    A full pass starts at 0. In incremental decoding the decoder counts
+    each row's tokens fed so far in the 'cache' collection (int32[batch]),
+    the one counter of a search's position: the positional encoding and
+    every layer's key/value cache read the positions given here.
+    """
+    if not incremental:
+      return positions_of(batch, length, self.config.max_len)
+    is_initialized = self.has_variable('cache', 'position')
+    fed = self.variable('cache', 'position',
+                        lambda: jnp.zeros((batch,), jnp.int32))
+    if not is_initialized:
+      # Initialisation sees the full-length dummy input: it sizes the cache.
+      return positions_of(batch, length, self.config.max_len)
+    positions = positions_of(batch, length, self.config.max_len, fed.value)
+    fed.value = fed.value + length
+    return positions
 
 
 class Transformer(nn.Module):

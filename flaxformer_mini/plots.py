@@ -176,8 +176,143 @@ def model_attention(config, params, batch, source_labels: list[str],
   return figures
 
 
-def _shape(stops: dict, name: str) -> str:
-  return f'{name.split("/")[-1]} {list(stops[name].shape)}'
+class _Drawing:
+  """The boxes, arrows and labels of Figure 1 on one matplotlib axis.
+
+  Labels name the tour's stops; a stop the drawn model lacks (a variant
+  without it) is labelled as such, never looked up blindly.
+  """
+  COLOURS = {'attention': '#f9d9a6', 'norm': '#f3f3b0', 'feed': '#bfe3f2',
+             'embed': '#f6c6c6', 'out': '#d9cdf0'}
+  BLUE, RED, GREEN = '#1f4e99', '#b03030', '#2e7d32'
+
+  def __init__(self, axis, stops: dict):
+    self.axis, self.stops = axis, stops
+
+  def shape(self, name: str) -> str:
+    """'embedded [2, 3, 8]': a stop's short name and shape."""
+    short = name.split('/')[-1]
+    if name not in self.stops:
+      return f'{short} (not in this model)'
+    return f'{short} {list(self.stops[name].shape)}'
+
+  def box(self, x, y, text, kind):
+    self.axis.text(x, y, text, ha='center', va='center', fontsize=9, zorder=3,
+                   bbox={'boxstyle': 'round,pad=0.4', 'fc': self.COLOURS[kind],
+                         'ec': 'black', 'lw': 0.8})
+
+  def arrow(self, x0, y0, x1, y1, colour='black'):
+    self.axis.annotate('', (x1, y1), (x0, y0), zorder=2,
+                       arrowprops={'arrowstyle': '->', 'lw': 1.0,
+                                   'color': colour, 'shrinkA': 0,
+                                   'shrinkB': 0})
+
+  def line(self, xs, ys, colour='black', width=1.0):
+    self.axis.plot(xs, ys, color=colour, lw=width, zorder=2)
+
+  def label(self, x, y, text, colour=BLUE, side='left'):
+    self.axis.text(x, y, text, fontsize=7, ha=side, va='center',
+                   color=colour, zorder=4)
+
+  def flow(self, x, y0, y1, name=None):
+    """An arrow from the box at y0 to the box at y1, labelled with its stop."""
+    self.arrow(x, y0 + 0.45, x, y1 - 0.45)
+    if name:
+      self.label(x + 0.12, (y0 + y1) / 2, self.shape(name))
+
+  def three_arrows(self, x, y, block, sources, offsets=(-0.7, 0.0, 0.7)):
+    """The query, key and value arrows into the attention box at (x, y)."""
+    for dx, name, (x0, y0) in zip(offsets, ('query', 'key', 'value'),
+                                  sources):
+      self.line([x0, x + dx], [y0, y - 1.0])
+      self.arrow(x + dx, y - 1.0, x + dx, y - 0.5)
+      self.axis.text(x + dx - 0.08, y - 0.75, name[0].upper(), fontsize=7,
+                     ha='right', va='center')
+    self.label(x + 1.35, y, '\n'.join(self.shape(f'{block}/{n}')
+                                      for n in ('query', 'key', 'value')))
+
+  def inputs(self, x, side: str, title: str, ids: str):
+    """Ids -> embedding (+ positional encoding, where the model adds one)."""
+    self.axis.text(x, -0.2, title, ha='center', va='top', fontsize=9)
+    self.arrow(x, -0.15, x, 1.15)
+    self.label(x + 0.12, 0.5, self.shape(ids))
+    self.box(x, 1.6, ('Input' if side == 'encoder' else 'Output') +
+             '\nEmbedding', 'embed')
+    self.flow(x, 1.6, 3.0, f'{side}/token_embedding')
+    encoding = f'{side}/positional_encoding/encoding'
+    if encoding in self.stops:
+      self.axis.text(x, 3.0, '+', ha='center', va='center', fontsize=13,
+                     zorder=3, bbox={'boxstyle': 'circle,pad=0.1',
+                                     'fc': 'white', 'ec': 'black'})
+      self.axis.text(x - 0.4, 3.0, 'Positional Encoding\n' +
+                     self.shape(encoding), ha='right', va='center',
+                     fontsize=7)
+    self.line([x, x], [3.3, 4.2])
+    self.label(x + 0.12, 3.75, self.shape(f'{side}/embedded'))
+
+  def sublayer(self, x, y, title, kind, output=None, residual=None,
+               side=-1):
+    """A sublayer's box at height y, its output's arrow, Add & Norm above
+    it, and the residual arrow from below the box (`residual`: the stop
+    that carries the sublayer's input) around its left (side -1) or right
+    (+1) into Add & Norm."""
+    self.box(x, y, title, kind)
+    self.flow(x, y, y + 1.5, output)
+    self.box(x, y + 1.5, 'Add & Norm', 'norm')
+    if residual:
+      edge = x + (1.6 if side < 0 else 1.15) * side
+      self.line([x, edge, edge], [y - 1.05, y - 1.05, y + 1.5], self.GREEN,
+                0.9)
+      self.arrow(edge, y + 1.5, x + side * 0.75, y + 1.5, self.GREEN)
+      self.label(edge + side * 0.08, y + 1.0, 'residual\n' +
+                 self.shape(residual), self.GREEN,
+                 side='right' if side < 0 else 'left')
+
+  def stack(self, x, bottom, top, layers):
+    self.axis.add_patch(FancyBboxPatch(
+        (x - 1.9, bottom), 3.8, top - bottom, zorder=1,
+        boxstyle='round,pad=0.1', fc='#f2f2f2', ec='gray'))
+    self.axis.text(x - 2.05, (bottom + top) / 2, f'{layers}x', ha='right',
+                   va='center', fontsize=11)
+
+
+def _draw_encoder(draw: _Drawing, x: float, layers: int) -> None:
+  """The left half: inputs, one encoder layer inside the N x box."""
+  draw.inputs(x, 'encoder', 'Inputs', 'batch/src')
+  draw.stack(x, 3.95, 10.3, layers)
+  block = 'encoder/layer_0'
+  draw.three_arrows(x, 5.4, f'{block}/self_attention', [(x, 4.2)] * 3)
+  draw.sublayer(x, 5.4, 'Multi-Head\nAttention', 'attention',
+                f'{block}/self_attention/output', 'encoder/embedded')
+  draw.flow(x, 6.9, 8.3, f'{block}/after_self_attention')
+  draw.sublayer(x, 8.3, 'Feed\nForward', 'feed',
+                residual=f'{block}/after_self_attention')
+
+
+def _draw_decoder(draw: _Drawing, x: float, layers: int) -> None:
+  """The right half: outputs, one decoder layer, the linear and softmax."""
+  draw.inputs(x, 'decoder', 'Outputs\n(shifted right)', 'batch/tgt_in')
+  draw.stack(x, 3.95, 14.1, layers)
+  block = 'decoder/layer_0'
+  draw.three_arrows(x, 5.4, f'{block}/self_attention', [(x, 4.2)] * 3)
+  draw.sublayer(x, 5.4, 'Masked\nMulti-Head\nAttention', 'attention',
+                f'{block}/self_attention/output', 'decoder/embedded')
+  draw.line([x, x], [7.35, 7.7])
+  draw.label(x + 1.35, 7.6, draw.shape(f'{block}/after_self_attention'))
+  draw.three_arrows(x, 8.9, f'{block}/cross_attention',
+                    [(x, 7.7), (x - 0.7, 7.7), (x - 0.7, 7.7)],
+                    offsets=(0.7, -0.7, 0.0))
+  draw.sublayer(x, 8.9, 'Multi-Head\nAttention', 'attention',
+                f'{block}/cross_attention/output',
+                f'{block}/after_self_attention', side=1)
+  draw.flow(x, 10.4, 11.9, f'{block}/after_cross_attention')
+  draw.sublayer(x, 11.9, 'Feed\nForward', 'feed',
+                residual=f'{block}/after_cross_attention')
+  draw.flow(x, 13.4, 15.0, f'decoder/layer_{layers - 1}/after_feed_forward')
+  draw.box(x, 15.0, 'Linear', 'out')
+  draw.flow(x, 15.0, 16.2, 'logits')
+  draw.box(x, 16.2, 'Softmax', 'out')
+  draw.axis.text(x, 17.0, 'Output Probabilities', ha='center', fontsize=9)
 
 
 def figure_one(stops: list, config) -> Figure:
@@ -191,103 +326,32 @@ def figure_one(stops: list, config) -> Figure:
     A matplotlib Figure: the encoder stack on the left, the decoder on the
     right, one layer of each drawn (the N x box), every arrow named by the
     tour's stop it carries, with its shape, e.g. 'embedded [2, 3, 8]'; each
-    attention block gets its three arrows, query, key and value.
+    attention block gets its three arrows, query, key and value, and each
+    Add & Norm its residual arrow. A stop the model lacks is labelled
+    '(not in this model)'.
   """
   stops = {stop.name: stop for stop in stops}
   figure = Figure(figsize=(11, 12.5), layout='constrained')
   axis = figure.subplots()
-  axis.set(xlim=(0, 13), ylim=(-0.6, 17.3))
+  axis.set(xlim=(-0.5, 13.5), ylim=(-0.6, 17.3))
   axis.axis('off')
-  colours = {'attention': '#f9d9a6', 'norm': '#f3f3b0', 'feed': '#bfe3f2',
-             'embed': '#f6c6c6', 'out': '#d9cdf0'}
-  blue, red = '#1f4e99', '#b03030'
-
-  def box(x, y, text, kind):
-    axis.text(x, y, text, ha='center', va='center', fontsize=9, zorder=3,
-              bbox={'boxstyle': 'round,pad=0.4', 'fc': colours[kind], 'ec': 'black', 'lw': 0.8})
-
-  def arrow(x0, y0, x1, y1, colour='black'):
-    axis.annotate('', (x1, y1), (x0, y0), zorder=2,
-                  arrowprops={'arrowstyle': '->', 'lw': 1.0, 'color': colour,
-                              'shrinkA': 0, 'shrinkB': 0})
-
-  def label(x, y, text, colour=blue, side='left'):
-    axis.text(x, y, text, fontsize=7, ha=side, va='center', color=colour, zorder=4)
-
-  def flow(x, y0, y1, name=None):  # box to box, labelled with the stop it carries
-    arrow(x, y0 + 0.45, x, y1 - 0.45)
-    if name:
-      label(x + 0.12, (y0 + y1) / 2, _shape(stops, name))
-
-  def three_arrows(x, y, block, sources, offsets=(-0.7, 0.0, 0.7)):
-    """The query, key and value arrows into the attention box at (x, y)."""
-    for dx, name, (x0, y0) in zip(offsets, ('query', 'key', 'value'), sources):
-      axis.plot([x0, x + dx], [y0, y - 1.0], color='black', lw=1.0, zorder=2)
-      arrow(x + dx, y - 1.0, x + dx, y - 0.5)
-      axis.text(x + dx - 0.08, y - 0.75, name[0].upper(), fontsize=7, ha='right', va='center')
-    label(x + 1.35, y, '\n'.join(_shape(stops, f'{block}/{n}')
-                                  for n in ('query', 'key', 'value')))
-
-  def inputs(x, side, title, ids, table):
-    axis.text(x, -0.2, title, ha='center', va='top', fontsize=9)
-    arrow(x, -0.15, x, 1.15)
-    label(x + 0.12, 0.5, _shape(stops, ids))
-    box(x, 1.6, f'{side.capitalize() if side == "input" else "Output"}\nEmbedding', 'embed')
-    flow(x, 1.6, 3.0, f'{table.split("/")[0]}/token_embedding')
-    axis.text(x, 3.0, '+', ha='center', va='center', fontsize=13, zorder=3,
-              bbox={'boxstyle': 'circle,pad=0.1', 'fc': 'white', 'ec': 'black'})
-    axis.text(x - 0.4, 3.0, 'Positional Encoding\n' + _shape(stops, table),
-              ha='right', va='center', fontsize=7)
-    axis.plot([x, x], [3.3, 4.2], color='black', lw=1.0)
-    label(x + 0.12, 3.75, _shape(stops, f'{table.split("/")[0]}/embedded'))
-
-  def sublayer(x, y, title, kind, output=None):
-    """A sublayer's box at height y, its output's arrow, Add & Norm above it."""
-    box(x, y, title, kind)
-    flow(x, y, y + 1.5, output)
-    box(x, y + 1.5, 'Add & Norm', 'norm')
-
-  def stack(x, bottom, top, layers):
-    axis.add_patch(FancyBboxPatch((x - 1.9, bottom), 3.8, top - bottom, zorder=1,
-                                  boxstyle='round,pad=0.1', fc='#f2f2f2', ec='gray'))
-    axis.text(x - 2.05, (bottom + top) / 2, f'{layers}x', ha='right', va='center', fontsize=11)
-
+  draw = _Drawing(axis, stops)
   enc, dec = 3.0, 9.4
-  # The encoder (left).
-  inputs(enc, 'input', 'Inputs', 'batch/src', 'encoder/positional_encoding/table')
-  stack(enc, 3.95, 10.3, config.num_encoder_layers)
-  three_arrows(enc, 5.4, 'encoder/layer_0/self_attention', [(enc, 4.2)] * 3)
-  sublayer(enc, 5.4, 'Multi-Head\nAttention', 'attention', 'encoder/layer_0/self_attention/output')
-  flow(enc, 6.9, 8.3, 'encoder/layer_0/after_self_attention')
-  sublayer(enc, 8.3, 'Feed\nForward', 'feed')
+  _draw_encoder(draw, enc, config.num_encoder_layers)
+  # The encoder's output: keys and values of every decoder layer's second
+  # block (the cross-attention's residual is its own query side).
   encoded = f'encoder/layer_{config.num_encoder_layers - 1}/after_feed_forward'
-  # The encoder's output: keys and values of every decoder layer's second block.
-  axis.plot([enc, enc, dec - 1.6, dec - 1.6], [10.15, 11.2, 11.2, 7.7], color=red, lw=1.2)
-  axis.plot([dec - 1.6, dec - 0.7], [7.7, 7.7], color=red, lw=1.2)
-  axis.text((enc + dec) / 2 - 0.8, 11.4, f'the encoder output, {_shape(stops, encoded)}',
-            ha='center', fontsize=7, color=red)
-  # The decoder (right).
-  inputs(dec, 'output', 'Outputs\n(shifted right)', 'batch/tgt_in',
-         'decoder/positional_encoding/table')
-  stack(dec, 3.95, 14.1, config.num_decoder_layers)
-  three_arrows(dec, 5.4, 'decoder/layer_0/self_attention', [(dec, 4.2)] * 3)
-  sublayer(dec, 5.4, 'Masked\nMulti-Head\nAttention', 'attention',
-           'decoder/layer_0/self_attention/output')
-  axis.plot([dec, dec], [7.35, 7.7], color='black', lw=1.0)
-  label(dec + 1.35, 7.6, _shape(stops, 'decoder/layer_0/after_self_attention'))
-  three_arrows(dec, 8.9, 'decoder/layer_0/cross_attention',
-               [(dec, 7.7), (dec - 0.7, 7.7), (dec - 0.7, 7.7)], offsets=(0.7, -0.7, 0.0))
-  sublayer(dec, 8.9, 'Multi-Head\nAttention', 'attention', 'decoder/layer_0/cross_attention/output')
-  flow(dec, 10.4, 11.9, 'decoder/layer_0/after_cross_attention')
-  sublayer(dec, 11.9, 'Feed\nForward', 'feed')
-  flow(dec, 13.4, 15.0, f'decoder/layer_{config.num_decoder_layers - 1}/after_feed_forward')
-  box(dec, 15.0, 'Linear', 'out')
-  flow(dec, 15.0, 16.2, 'logits')
-  box(dec, 16.2, 'Softmax', 'out')
-  axis.text(dec, 17.0, 'Output Probabilities', ha='center', fontsize=9)
-  figure.suptitle(f'Figure 1, live: d_model {config.d_model}, {config.num_heads} heads, '
-                  f'{config.num_encoder_layers} + {config.num_decoder_layers} layers (one of '
-                  'each stack drawn), the shapes of this batch', fontsize=10)
+  draw.line([enc, enc, dec - 1.6, dec - 1.6], [10.15, 11.2, 11.2, 7.7],
+            draw.RED, 1.2)
+  draw.line([dec - 1.6, dec - 0.7], [7.7, 7.7], draw.RED, 1.2)
+  axis.text((enc + dec) / 2 - 0.8, 11.4,
+            f'the encoder output, {draw.shape(encoded)}', ha='center',
+            fontsize=7, color=draw.RED)
+  _draw_decoder(draw, dec, config.num_decoder_layers)
+  figure.suptitle(
+      f'Figure 1, live: d_model {config.d_model}, {config.num_heads} heads, '
+      f'{config.num_encoder_layers} + {config.num_decoder_layers} layers (one '
+      'of each stack drawn), the shapes of this batch', fontsize=10)
   return figure
 
 

@@ -10,8 +10,8 @@ Neither search ever emits pad (the filler after eos) or bos (it only starts a
 sequence); scores stay the model's own log-probabilities.
 
 Beam search carries a cache with one row per beam: every leaf is
-[batch * beams, ...], each item's beams consecutive, except scalar leaves (the
-position counters), which all beams share (`_map_beam_rows`).
+[batch * beams, ...], each item's beams consecutive, except scalar leaves
+(say, a model's step counter), which all beams share (`_map_beam_rows`).
 """
 
 from typing import Any, Callable
@@ -123,7 +123,7 @@ def expand_to_beams(x, beam_size: int):
 
 def _map_beam_rows(fn, cache):
   """fn applied to every cache leaf with a row per beam ([batch * beams, ...]);
-  scalar leaves (the position counters, shared by all beams) stay as they are."""
+  scalar leaves (shared by all beams, e.g. a step counter) stay as they are."""
   return jax.tree.map(lambda leaf: leaf if leaf.ndim == 0 else fn(leaf), cache)
 
 

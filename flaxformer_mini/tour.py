@@ -31,7 +31,7 @@ from flaxformer_mini.training import init_params
 # Axes of each sown tensor; {q} and {k} are filled in per attention block.
 _AXES = {
     'token_embedding': '[batch, {q}, d_model]',
-    'table': '[{q}, d_model]',
+    'encoding': '[batch, {q}, d_model]',
     'embedded': '[batch, {q}, d_model]',
     'query': '[batch, heads, {q}, d_k]',
     'key': '[batch, heads, {k}, d_k]',

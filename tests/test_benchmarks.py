@@ -8,69 +8,63 @@ what run_all.py makes of the raw results committed in docs/. Each runs in a
 subprocess from benchmarks/, as a user runs them.
 """
 
-import collections
-import functools
 import json
-import math
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jax_core
 
 from conftest import MULTI30K, ROOT
 from flaxformer_mini.config import get_config
-from flaxformer_mini.masks import make_batch
-from flaxformer_mini.training import create_train_state, train_step
 
 BENCHMARKS = os.path.join(ROOT, 'benchmarks')
 sys.path.insert(0, BENCHMARKS)
-import train_step as train_bench  # pylint: disable=g-import-not-at-top,wrong-import-position
+import flops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-def _dot_generals(jaxpr) -> collections.Counter:
-  """(lhs shape, rhs shape, dimension numbers) -> count, sub-jaxprs included."""
-  found = collections.Counter()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
-      lhs, rhs = (v.aval for v in eqn.invars)
-      found[(lhs.shape, rhs.shape, eqn.params['dimension_numbers'])] += 1
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        if isinstance(sub, jax_core.ClosedJaxpr):
-          sub = sub.jaxpr
-        if isinstance(sub, jax_core.Jaxpr):
-          found.update(_dot_generals(sub))
-  return found
+def test_the_flop_counter_counts_products_scans_and_branches():
+  x, y = np.ones((3, 5), np.float32), np.ones((5, 7), np.float32)
+  assert flops.traced_flops(lambda a, b: a @ b, x, y) == 2 * 3 * 5 * 7
+  q = np.ones((2, 4, 6, 8), np.float32)  # [batch, heads, len, d_k]
+  assert flops.traced_flops(
+      lambda a: jnp.einsum('bhqd,bhkd->bhqk', a, a), q) == 2 * 2 * 4 * 6 * 8 * 6
+  # A scan's body runs `length` times; a cond runs one branch (the costlier).
+  scanned = lambda a, b: jax.lax.scan(lambda c, _: (c, a @ b), 0, None,
+                                      length=4)[1]
+  assert flops.traced_flops(scanned, x, y) == 4 * 2 * 3 * 5 * 7
+  branched = lambda p, a, b: jax.lax.cond(p, lambda: (a @ b).sum(),
+                                          lambda: a.sum())
+  assert flops.traced_flops(branched, True, x, y) == 2 * 3 * 5 * 7
+  with pytest.raises(ValueError, match='while loop'):
+    flops.traced_flops(lambda a: jax.lax.while_loop(
+        lambda c: c.sum() < 10, lambda c: c @ c, a), np.ones((2, 2)))
 
 
-def _product_flops(lhs: tuple, rhs: tuple, dimension_numbers) -> int:
-  """FLOPs of one dot_general: 2 x every lhs element x each rhs free column."""
-  (_, rhs_contracting), (_, rhs_batch) = dimension_numbers
-  return 2 * math.prod(lhs) * math.prod(
-      n for i, n in enumerate(rhs) if i not in (*rhs_contracting, *rhs_batch))
-
-
-def test_flop_count_is_the_training_steps_matmuls():
-  # Source and target lengths differ, so the cross-attention's keys and
-  # values are counted where they are computed.
+def test_the_paper_models_step_counts_three_times_its_forward_products():
+  """The traced count of the paper's model equals the analytic one
+  (docs/performance.md): 3 x forward, forward = 2 x matmul parameters x
+  positions + the attention products. Source and target lengths differ, so
+  the cross-attention's keys and values are counted where they are computed.
+  """
   config = get_config('small').replace(
       d_model=32, d_ff=64, num_heads=4, src_vocab_size=50, tgt_vocab_size=50,
       num_encoder_layers=2, num_decoder_layers=3, max_len=16)
   batch, src_len, tgt_len = 3, 5, 7
-  ids = np.random.default_rng(0).integers(3, 50, (batch, tgt_len + 1))
-  jaxpr = jax.make_jaxpr(functools.partial(train_step, config=config))(
-      create_train_state(config, jax.random.key(0)),
-      make_batch(ids[:, :src_len].astype(np.int32), ids.astype(np.int32),
-                 config),
-      jax.random.key(1))
-  traced = sum(count * _product_flops(*product) for product, count
-               in _dot_generals(jaxpr.jaxpr).items())
-  assert traced == train_bench.model_flops_per_step(config, batch, src_len,
-                                                    tgt_len)
+  d, d_ff = config.d_model, config.d_ff
+  encoder = (config.num_encoder_layers * (4 * d * d + 2 * d * d_ff) +
+             config.num_decoder_layers * 2 * d * d)
+  decoder = (config.num_decoder_layers * (6 * d * d + 2 * d * d_ff) +
+             d * config.tgt_vocab_size)
+  attention = 4 * batch * d * (
+      config.num_encoder_layers * src_len**2 +
+      config.num_decoder_layers * (tgt_len**2 + tgt_len * src_len))
+  forward = 2 * (encoder * batch * src_len + decoder * batch * tgt_len)
+  assert flops.step_flops(config, batch, src_len, tgt_len) == 3 * (
+      forward + attention)
 
 
 # run_all.py's tables of saved results (argv: the JSON file, then the names

@@ -125,3 +125,20 @@ def test_figure_one_labels_every_arrow_with_the_live_tensor():
                'decoder/layer_0/cross_attention/key', 'logits'):
     assert f'{name.split("/")[-1]} {shapes[name]}' in texts, name
   assert f'{config.num_encoder_layers}x' in texts
+  # Each Add & Norm's residual arrow carries its sublayer's input.
+  for name in ('encoder/embedded', 'decoder/layer_0/after_self_attention',
+               'decoder/layer_0/after_cross_attention'):
+    assert f'residual\n{name.split("/")[-1]} {shapes[name]}' in texts, name
+
+
+def test_figure_one_draws_a_model_without_some_stops():
+  """A variant without a stop (say, no positional encoding) is drawn with
+  that stop labelled as missing, not a KeyError."""
+  config = get_config('toy')
+  stops = [s for s in tour.tensor_tour(config, None, tour.example_batch(config))
+           if 'positional_encoding' not in s.name and
+           s.name != 'decoder/layer_0/cross_attention/key']
+  texts = '\n'.join(t.get_text() for t in
+                    plots.figure_one(stops, config).axes[0].texts)
+  assert 'Positional Encoding' not in texts
+  assert 'key (not in this model)' in texts

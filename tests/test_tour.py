@@ -27,7 +27,7 @@ def test_the_walkthrough_shapes(stops):
       'batch/src': (2, 3),
       'batch/tgt_in': (2, 2),
       'encoder/token_embedding': (2, 3, 8),
-      'encoder/positional_encoding/table': (3, 8),
+      'encoder/positional_encoding/encoding': (2, 3, 8),
       'encoder/layer_0/self_attention/query': (2, 2, 3, 4),
       'encoder/layer_0/self_attention/key': (2, 2, 3, 4),
       'encoder/layer_0/self_attention/value': (2, 2, 3, 4),
@@ -101,7 +101,7 @@ def test_embeddings_plus_positions_and_masked_weights(stops):
     np.testing.assert_allclose(
         stops[f'{side}/embedded'].value,
         stops[f'{side}/token_embedding'].value +
-        stops[f'{side}/positional_encoding/table'].value[None], rtol=1e-5,
+        stops[f'{side}/positional_encoding/encoding'].value, rtol=1e-5,
         atol=1e-6)
   # Item 1's source ends in a pad: no query may look at it.
   for name in ('encoder/layer_0/self_attention/weights',
