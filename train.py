@@ -20,10 +20,7 @@ _START = time.perf_counter()
 
 from flaxformer_mini import cli, compilation_cache  # pylint: disable=g-import-not-at-top
 from flaxformer_mini import config as config_lib  # pylint: disable=g-import-not-at-top
-
-TASKS = ('copy', 'translate')
-# Each task's own preset, where --config is not given.
-TASK_PRESETS = {'copy': 'copy', 'translate': 'multi30k'}
+from flaxformer_mini.tasks import TASKS  # pylint: disable=g-import-not-at-top
 
 
 def _field_types() -> dict[str, type]:
@@ -46,12 +43,15 @@ def build_parser() -> cli.OneLineParser:
   parser = cli.OneLineParser(
       prog='train.py', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--task', choices=TASKS, required=True,
-                      help='what to train.')
+  parser.add_argument('--task', choices=list(TASKS), required=True,
+                      help='what to train: ' + '; '.join(
+                          f'{name}: {task.description}'
+                          for name, task in TASKS.items()) + '.')
   parser.add_argument('--config', choices=list(config_lib.PRESETS),
                       help="the preset to start from (default: the task's "
-                      'own: copy for --task=copy, translate for '
-                      '--task=translate).')
+                      'own: ' + ', '.join(
+                          f'{task.preset} for --task={name}'
+                          for name, task in TASKS.items()) + ').')
   parser.add_argument('--workdir', help='where results.json and the '
                       'checkpoints go (default: runs/<task>); a workdir with '
                       'checkpoints is resumed.')
@@ -136,7 +136,7 @@ def parse(argv: list[str]):
   overrides = {k: v for k, v in vars(args).items() if k in _field_types()}
   try:
     config = override(
-        config_lib.get_config(args.config or TASK_PRESETS[args.task]),
+        config_lib.get_config(args.config or TASKS[args.task].preset),
         overrides)
   except config_lib.ConfigError as e:
     parser.error(f'--{e}')
@@ -147,9 +147,9 @@ def parse(argv: list[str]):
       parser.error(f'{" and ".join(given)} without --multihost or '
                    '--coordinator_address would train as one process; add '
                    'one of them, or drop the flag.')
-  if args.task == 'translate' and not args.tour:
+  if TASKS[args.task].reads_text and not args.tour:
     if not args.data_dir and not args.dataset:
-      parser.error('--task=translate needs --data_dir (local files) or '
+      parser.error(f'--task={args.task} needs --data_dir (local files) or '
                    '--dataset (a TFDS name).')
     if args.data_dir and args.dataset:
       parser.error('--data_dir and --dataset: give one of them.')
@@ -168,7 +168,7 @@ def _tour(args, config) -> None:
     print(f'the trained model of {args.workdir}')
   else:
     params = None
-    print(f'random weights of the {args.config or TASK_PRESETS[args.task]} '
+    print(f'random weights of the {args.config or TASKS[args.task].preset} '
           'preset (give --workdir for a trained model)')
   tour.print_tour(config, params)
 
@@ -188,16 +188,13 @@ def main(argv: list[str]) -> None:
                                     args.num_processes, args.process_id,
                                     args.multihost_timeout)
     path = args.workdir or os.path.join('runs', args.task)
-    # Each task imports only what it needs: the copy task runs without TFDS.
-    if args.task == 'copy':
-      from flaxformer_mini.tasks import train_copy
-      train_copy.run(config, path, args.fresh, _START)
-    else:
+    task, data = TASKS[args.task], {}
+    if task.reads_text:
       if missing := cli.missing_translation_extras():
         sys.exit(f'train.py: error: {missing}')
-      from flaxformer_mini.tasks import train_translation
-      train_translation.run(config, path, args.data_dir, args.dataset, args.tfds_dir,
-                    args.fresh, _START)
+      data = {'data_dir': args.data_dir, 'dataset': args.dataset,
+              'tfds_dir': args.tfds_dir}
+    task.run(config, path, fresh=args.fresh, start_time=_START, **data)
   except config_lib.ConfigError as e:
     build_parser().error(f'--{e}')
   except (checkpoints.CheckpointError, DataError, workdir.WorkdirError,

@@ -44,7 +44,7 @@ import numpy as np
 
 from flaxformer_mini import loop
 from flaxformer_mini.config import get_config
-from flaxformer_mini.data import batching, tokenized
+from flaxformer_mini.data import batching, prefetch, tokenized
 from flaxformer_mini.parallel import DataParallel
 from flaxformer_mini.training import create_train_state
 
@@ -115,17 +115,12 @@ def _throughput(train: tokenized.TokenizedSplit, config, steps: int,
   batches = batching.TokenBatches(train, config, config.tokens_per_batch)
   for step in range(steps):  # the batches' pages in memory, as in a run
     batches.batch_at(step)
-  saved = loop.INPUT_THREADS
-  loop.INPUT_THREADS = threads
-  try:
-    made = loop.prefetched(batches.batch_at, 0, steps)
-    start, tokens = time.perf_counter(), 0
-    for batch in made:
-      tokens += int(batch.ntokens)
-    seconds = time.perf_counter() - start
-    made.close()
-  finally:
-    loop.INPUT_THREADS = saved
+  made = prefetch.prefetched(batches.batch_at, 0, steps, threads)
+  start, tokens = time.perf_counter(), 0
+  for batch in made:
+    tokens += int(batch.ntokens)
+  seconds = time.perf_counter() - start
+  made.close()
   return {'threads': threads, 'target_tokens_per_s': tokens / seconds,
           'batches_per_s': steps / seconds}
 

@@ -6,11 +6,12 @@ Figure 1, box by box:
   layers.py       feed-forward, Add & Norm, encoder layer, decoder layer
   model.py        Encoder, Decoder, Transformer (encode / decode)
 and around it: config, masks (the Batch), losses, schedules, training (the
-pure steps), parallel, loop (the training loop), checkpoints, workdir,
-search (greedy and beam search over any model), decoding (the Transformer's),
-evaluation, data/, tasks/ (train_copy, train_translation), translate (the
-command), tour, plots, logbook, cli, compilation_cache; cpu_kernels is the
-opt-in CPU seam.
+pure steps), parallel, loop (the training loop), run (a run's life in its
+workdir), checkpoints, workdir, search (greedy and beam search over any
+model), decoding (the Transformer's), evaluation, data/ (prepared: a corpus
+prepared once; prefetch: batches made ahead), tasks/ (the table of tasks;
+train_copy, train_translation), translate (the command), tour, plots,
+logbook, cli, compilation_cache; cpu_kernels is the opt-in CPU seam.
 
 The names below are imported from their modules on first use (PEP 562), so
 that `import flaxformer_mini.cli` does not load JAX: the commands refuse a

@@ -3,8 +3,8 @@
 A training checkpoint is one orbax step directory with three items:
   params     the model parameters (StandardSave),
   opt_state  Adam's state (StandardSave),
-  meta       JSON: step, config, the dropout key, the data position, and a
-             CRC-32 of every saved array.
+  meta       JSON: step, the task, config, the dropout key, the data
+             position, and a CRC-32 of every saved array.
 The data position is the step itself: every batch source of this project is a
 pure function of (seed, step), so a resumed run sees exactly the batches the
 uninterrupted run would have seen. The checksums are verified on restore, so
@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.parallel import replicated_sharding
 from flaxformer_mini.training import TrainState, init_params
 
 # Fields that may change between a run and its resumption: how long (and so
@@ -111,26 +112,21 @@ def _abstract(tree, sharding):
       tree)
 
 
-def _replicated():
-  """A full copy on every device: where restored arrays go by default."""
-  return jax.sharding.NamedSharding(
-      jax.sharding.Mesh(np.array(jax.devices()), ('data',)),
-      jax.sharding.PartitionSpec())
-
-
 class Checkpoints:
   """The checkpoints of one run, opened read-only unless `writer`.
 
-  A writer keeps the last `keep` steps and the best evaluated one, and
-  removes the temporary directories of saves that never finished: only the
-  run that holds the workdir may open it so. A reader changes nothing on
+  A writer keeps the last `keep` steps and the best evaluated one, writes
+  its run's `task` into each step's meta, and removes the temporary
+  directories of saves that never finished: only the run that holds the
+  workdir may open it so. A reader changes nothing on
   disk. `save` is asynchronous; `wait` blocks until every save is on disk.
   Use it as a context manager (or call `close`), so that orbax's threads end.
   """
 
-  def __init__(self, directory: str, keep: int = 3, writer: bool = False):
+  def __init__(self, directory: str, keep: int = 3, writer: bool = False,
+               task: str | None = None):
     self.directory = os.path.abspath(directory)
-    self.writer = writer
+    self.writer, self.task = writer, task
     policy = preservation_policy.AnyPreservationPolicy([
         preservation_policy.LatestN(keep),
         preservation_policy.BestN(
@@ -179,7 +175,8 @@ class Checkpoints:
            score: float | None = None) -> None:
     """Starts saving `state` as `step` (with an evaluation score, if any)."""
     self._check_writer()
-    meta = {'step': step, 'config': dataclasses.asdict(config),
+    meta = {'step': step, 'task': self.task,
+            'config': dataclasses.asdict(config),
             'rng': np.asarray(jax.random.key_data(rng)).tolist(),
             'data_position': {'step': step},
             'checksums': {'params': checksums(state.params),
@@ -260,11 +257,11 @@ class Checkpoints:
     """Restores step `step` into the structure of `like`.
 
     The arrays are placed with `sharding` (default: replicated over every
-    device), whatever devices wrote them: 8 devices restore on 1 and back.
+    device of the data mesh), whatever devices wrote them: 8 devices restore on 1 and back.
     Returns (state, meta). Raises CheckpointError where the checkpoint does
     not fit `like`, cannot be read, or differs from what was saved.
     """
-    sharding = sharding or _replicated()
+    sharding = sharding or replicated_sharding()
     self._check_shapes(step, 'params', like.params)
     multi_steps = self._saved_in_multi_steps(step)
     opt_state = like.opt_state
@@ -304,7 +301,7 @@ class Checkpoints:
 
   def restore_params(self, step: int, like_params, sharding=None):
     """Only the parameters of `step` (for inference), verified."""
-    sharding = sharding or _replicated()
+    sharding = sharding or replicated_sharding()
     self._check_shapes(step, 'params', like_params)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(

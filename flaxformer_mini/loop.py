@@ -2,7 +2,8 @@
 
 The loop keeps each step's metrics on the device and fetches them every
 `log_every` steps, so the host never waits for the device between two logs,
-and the next batches are made in threads (grain) while the device runs.
+and the next batches are made in threads (data/prefetch.py) while the device
+runs.
 It saves a checkpoint every `checkpoint_every` steps, at every evaluation and
 at the end; stops within --max_train_minutes, checked at every log and at
 least every few seconds; turns SIGINT / SIGTERM into a last checkpoint and a
@@ -11,26 +12,22 @@ last fetch and the state itself are checked before every save.
 """
 
 import contextlib
-import dataclasses
-import logging
 import signal
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from flaxformer_mini import logbook, plots
-from flaxformer_mini import workdir as workdir_lib
-from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
-                                         config_differences)
+from flaxformer_mini import logbook
+from flaxformer_mini.checkpoints import Checkpoints
 from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.data.prefetch import prefetched
 from flaxformer_mini.masks import Batch
 from flaxformer_mini.parallel import DataParallel
-from flaxformer_mini.training import TrainState, create_train_state
-from flaxformer_mini.workdir import Workdir
+from flaxformer_mini.training import TrainState
 
 _SUMMED = ('loss_sum', 'ntokens', 'correct')
 
@@ -111,48 +108,13 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-# Batches made ahead of the step that takes them, by this many threads: the
-# next batches are read and padded while the device runs the current step.
-# One thread makes millions of target tokens a second, and more contend for
-# the interpreter (docs/performance.md, "Input").
-PREFETCH_BATCHES = 4
-INPUT_THREADS = 1
-
-
-class _QuietGrain(logging.Filter):
-  """grain's import-time warning about its profiler and older jaxlibs."""
-
-  def filter(self, record):
-    return 'multiprocess worker profiling' not in record.getMessage()
-
-
-_QUIET_GRAIN = _QuietGrain()
-
-
-def prefetched(batch_at: Callable[[int], Batch], start: int,
-               stop: int) -> Iterator[Batch]:
-  """batch_at(start), ..., batch_at(stop - 1), made ahead in threads (grain).
-
-  Steps are the dataset's indices, so the order is the steps' whatever the
-  threads do, and a resumed run (a later `start`) reads the same batches.
-  Close the iterator when done with it (`.close()`).
-  """
-  # Imported here, after a filter: with jaxlib before 0.11 (Colab's 0.7.2)
-  # grain warns at import about a profiler this project does not use.
-  logging.getLogger('absl').addFilter(_QUIET_GRAIN)
-  import grain  # pylint: disable=g-import-not-at-top
-  dataset = grain.MapDataset.range(start, stop).map(batch_at)
-  return iter(dataset.to_iter_dataset(grain.ReadOptions(
-      num_threads=INPUT_THREADS, prefetch_buffer_size=PREFETCH_BATCHES)))
-
-
 # The time budget is checked at every log and, between logs, at least this
 # often: each check waits for the device to finish the steps dispatched, so
 # that the clock measures work done, not work queued.
 BUDGET_CHECK_SECONDS = 2.0
 
 
-class _Steps:
+class _OnDevice:
   """The state on the devices, and what the loop knows of it.
 
   Each step's metrics stay on the device until a log, a save or an
@@ -165,7 +127,7 @@ class _Steps:
                parallel: DataParallel, checkpoints: Checkpoints | None):
     self.config, self.rng = config, rng
     self.parallel, self.checkpoints = parallel, checkpoints
-    self.placed = parallel.replicate(state)
+    self.state = parallel.replicate(state)
     self.done = int(state.step)  # steps taken (dispatched)
     self.last_saved = checkpoints.latest_step() if checkpoints else None
     self._unfetched = []  # metrics of the latest steps, on the device
@@ -173,8 +135,8 @@ class _Steps:
 
   def take(self, batch: Batch) -> None:
     """Dispatches one training step (the device may still be running it)."""
-    self.placed, metrics = self.parallel.train_step(
-        self.placed, self.parallel.put_batch(batch), self.rng)
+    self.state, metrics = self.parallel.train_step(
+        self.state, self.parallel.put_batch(batch), self.rng)
     self._unfetched.append(metrics)
     self.done += 1
 
@@ -192,7 +154,7 @@ class _Steps:
   def check_state(self) -> None:
     """NonFinite unless every loss so far and the state itself are finite."""
     self.check_losses()
-    if not bool(self.parallel.to_host(_all_finite(self.placed))):
+    if not bool(self.parallel.to_host(_all_finite(self.state))):
       raise NonFinite('the parameters or optimizer state became non-finite',
                       self.done, self.last_saved)
 
@@ -210,7 +172,7 @@ class _Steps:
     """Saves the state (never a non-finite one), unless this step is saved."""
     if self.checkpoints is not None and self.last_saved != self.done:
       self.check_state()
-      self.checkpoints.save(self.done, self.placed, self.rng, self.config,
+      self.checkpoints.save(self.done, self.state, self.rng, self.config,
                             score)
       self.last_saved = self.done
 
@@ -223,6 +185,7 @@ class _Budget:
   """
 
   def __init__(self, minutes: float, started: float):
+    self.minutes = minutes
     self.deadline = minutes * 60 or float('inf')
     self.started = self.last_check = started
 
@@ -236,6 +199,47 @@ class _Budget:
     ends = now - self.started + (now - self.last_check) > self.deadline
     self.last_check = now
     return ends
+
+  def stops(self, on_device: '_OnDevice', logged: bool) -> bool:
+    """At a log, or where a check is due: waits for the device; stop now?"""
+    if not (logged or self.due(time.perf_counter())):
+      return False
+    on_device.wait()
+    if not self.ends_before_next(time.perf_counter()):
+      return False
+    tqdm.tqdm.write(f'--max_train_minutes={self.minutes}: stopping after '
+                    f'step {on_device.done}, before the next steps would '
+                    'pass it')
+    return True
+
+
+class _Logger:
+  """Each log: the window's record into the history, the logbook and the
+  progress bar."""
+
+  def __init__(self, config: TransformerConfig, log: logbook.Logbook | None,
+               progress: tqdm.tqdm, first_step: int, started: float):
+    self.config, self.log, self.progress = config, log, progress
+    self.first_step, self.started = first_step, started
+    self.window_start = started
+    self.history = []
+
+  def write(self, on_device: '_OnDevice') -> None:
+    now = time.perf_counter()
+    record = _log_record(on_device.window(), now - self.window_start,
+                         (now - self.started) / 60, on_device.done)
+    self.history.append(record)
+    if self.log is not None:
+      self.log.write('train', record)
+    if len(self.history) == 1:
+      _warn_if_the_budget_is_short(self.config,
+                                   on_device.done - self.first_step,
+                                   now - self.started)
+    self.progress.set_postfix(loss=f"{record['loss']:.4f}",
+                              lr=f"{record['learning_rate']:.2e}",
+                              tok_s=f"{record['target_tokens_per_s']:.0f}")
+    self.progress.update(on_device.done - self.progress.n)
+    self.window_start = time.perf_counter()
 
 
 def _log_record(window: list[dict], seconds: float, minutes: float,
@@ -287,69 +291,50 @@ def train(config: TransformerConfig, state: TrainState, rng,
       (or the final one) is not finite.
   """
   parallel = parallel or DataParallel(config)
-  steps = _Steps(config, state, rng, parallel, checkpoints)
-  first_step, history = steps.done, []
-  window_start = started = time.perf_counter()
+  on_device = _OnDevice(config, state, rng, parallel, checkpoints)
+  started = time.perf_counter()
   budget = _Budget(config.max_train_minutes, started)
-  own_signals = signals is None
   with contextlib.ExitStack() as stack:
-    if own_signals:
+    if signals is None:
       signals = stack.enter_context(SignalCatcher())
-    progress = stack.enter_context(tqdm.tqdm(
-        total=config.train_steps, initial=first_step, unit='step',
-        dynamic_ncols=True, disable=jax.process_index() > 0))
+    logger = _Logger(config, log, stack.enter_context(tqdm.tqdm(
+        total=config.train_steps, initial=on_device.done, unit='step',
+        dynamic_ncols=True, disable=jax.process_index() > 0)),
+                     on_device.done, started)
     stack.enter_context(signals.deferred())
     if checkpoints is not None:  # before the signals stop being deferred
       stack.callback(checkpoints.wait)
-    batches = prefetched(batch_at, first_step, config.train_steps)
+    batches = prefetched(batch_at, on_device.done, config.train_steps)
     stack.callback(batches.close)
-    for _ in range(first_step, config.train_steps):
-      steps.take(next(batches))
-      if timings is not None and 'first_step' not in timings:
-        timings['first_step'] = time.perf_counter()
-      logged = (steps.done % config.log_every == 0 or
-                steps.done == config.train_steps)
+    for _ in range(on_device.done, config.train_steps):
+      on_device.take(next(batches))
+      if timings is not None:
+        timings.setdefault('first_step', time.perf_counter())
+      logged = (on_device.done % config.log_every == 0 or
+                on_device.done == config.train_steps)
       if logged:
-        now = time.perf_counter()
-        record = _log_record(steps.window(), now - window_start,
-                             (now - started) / 60, steps.done)
-        history.append(record)
-        if log is not None:
-          log.write('train', record)
-        if len(history) == 1:
-          _warn_if_the_budget_is_short(config, steps.done - first_step,
-                                       now - started)
-        progress.set_postfix(loss=f"{record['loss']:.4f}",
-                             lr=f"{record['learning_rate']:.2e}",
-                             tok_s=f"{record['target_tokens_per_s']:.0f}")
-        progress.update(steps.done - progress.n)
-        window_start = time.perf_counter()
+        logger.write(on_device)
       score, stop = None, False
-      if evaluate is not None and steps.done % config.eval_every == 0:
-        steps.check_state()  # evaluate (and save) only a finite state
-        score, stop = evaluate(parallel.local_copy(steps.placed))
-      if logged or budget.due(time.perf_counter()):
-        steps.wait()
-        if budget.ends_before_next(time.perf_counter()):
-          tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes}'
-                          f': stopping after step {steps.done}, before the '
-                          'next steps would pass it')
-          stop = True
+      if evaluate is not None and on_device.done % config.eval_every == 0:
+        on_device.check_state()  # evaluate (and save) only a finite state
+        score, stop = evaluate(parallel.local_copy(on_device.state))
+      stop = budget.stops(on_device, logged) or stop
       every = config.checkpoint_every
-      if ((every and steps.done % every == 0) or score is not None or stop or
-          signals.received is not None):
-        steps.save(score)
+      if ((every and on_device.done % every == 0) or score is not None or
+          stop or signals.received is not None):
+        on_device.save(score)
       if signals.received is not None:
-        raise Interrupted(signals.received, f'after step {steps.done}',
-                          checkpoints and checkpoints.step_path(steps.done))
+        raise Interrupted(signals.received, f'after step {on_device.done}',
+                          checkpoints and
+                          checkpoints.step_path(on_device.done))
       if stop:
         break
-    steps.save()
-    steps.check_state()  # also where nothing is saved: never end non-finite
-  if checkpoints is not None and steps.last_saved is not None:
-    signals.checkpoint = checkpoints.step_path(steps.last_saved)
-  signals.when = f'after training, at step {steps.done}'
-  return parallel.local_copy(steps.placed), history
+    on_device.save()
+    on_device.check_state()  # also where nothing is saved: never end non-finite
+  if checkpoints is not None and on_device.last_saved is not None:
+    signals.checkpoint = checkpoints.step_path(on_device.last_saved)
+  signals.when = f'after training, at step {on_device.done}'
+  return parallel.local_copy(on_device.state), logger.history
 
 
 def _warn_if_the_budget_is_short(config: TransformerConfig, steps: int,
@@ -376,106 +361,3 @@ def _warn_if_the_budget_is_short(config: TransformerConfig, steps: int,
     return
   tqdm.tqdm.write(f'--max_train_minutes={config.max_train_minutes} reaches '
                   f'about step {reach} at this speed, before {before}')
-
-
-def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
-                    parallel: DataParallel) -> tuple[TrainState, object, int]:
-  """The latest checkpoint of a compatible run, or a fresh state.
-
-  Returns (state, dropout key, the step resumed from or 0).
-
-  Raises:
-    CheckpointError: the checkpoints were written with a different config,
-      or the latest one cannot be read.
-  """
-  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
-  state = create_train_state(config, init_rng)
-  latest = checkpoints.latest_step()
-  if latest is None:
-    return state, dropout_rng, 0
-  meta = checkpoints.read_meta(latest)
-  differences = config_differences(meta['config'], config)
-  if differences:
-    raise CheckpointError(
-        f'{checkpoints.directory} holds checkpoints of another config ('
-        + '; '.join(differences) + '). Use those values, another --workdir, '
-        'or --fresh to set the old run aside and start over.')
-  restored, meta = checkpoints.restore(latest, state, parallel.replicated)
-  rng = jax.random.wrap_key_data(np.asarray(meta['rng'], np.uint32))
-  return restored, rng, latest
-
-
-@dataclasses.dataclass
-class TrainingRun:
-  """What one training run writes into its workdir, opened for the run."""
-  config: TransformerConfig
-  workdir: Workdir
-  parallel: DataParallel
-  checkpoints: Checkpoints
-  state: TrainState
-  rng: jax.Array
-  resumed_from: int
-  log: logbook.Logbook | None  # None on processes other than the first
-  timings: dict = dataclasses.field(default_factory=dict)
-
-  @classmethod
-  def open(cls, config: TransformerConfig, workdir: Workdir,
-           parallel: DataParallel) -> 'TrainingRun':
-    """Resumes WORKDIR/checkpoints if they hold a run, else starts one."""
-    checkpoints = Checkpoints(workdir.path_of(workdir_lib.CHECKPOINTS),
-                              config.keep_checkpoints, writer=True)
-    try:
-      state, rng, resumed_from = resume_or_start(config, checkpoints, parallel)
-    except BaseException:
-      checkpoints.close()
-      raise
-    if resumed_from:
-      print(f'resuming from step {resumed_from} of {checkpoints.directory}')
-    log = (logbook.Logbook(workdir.path, resumed_from)
-           if jax.process_index() == 0 else None)
-    return cls(config, workdir, parallel, checkpoints, state, rng,
-               resumed_from, log)
-
-  def train(self, batch_at: Callable[[int], Batch], evaluate: Evaluate | None,
-            signals: SignalCatcher):
-    """loop.train from the opened state; -> (final state, history)."""
-    return train(self.config, self.state, self.rng, batch_at, evaluate,
-                 self.parallel, self.checkpoints, self.log, signals,
-                 self.timings)
-
-  def close(self, title: str) -> None:
-    """Waits for the last checkpoint; closes the logbook and draws curves.png."""
-    self.checkpoints.close()
-    if self.log is not None:
-      self.log.close()
-      if logbook.read_records(self.workdir.path).get('train'):
-        plots.training_curves(self.workdir.path, title)
-
-  def results(self, task: str, state: TrainState, history: list[dict],
-              start_time: float, **outcome) -> dict:
-    """What every run's results.json holds, with the task's `outcome`."""
-    return {
-        'task': task,
-        'config': dataclasses.asdict(self.config),
-        'devices': jax.device_count(),
-        'processes': jax.process_count(),
-        'steps': int(state.step),
-        'resumed_from': self.resumed_from,
-        'final_loss': history[-1]['loss'] if history else None,
-        **outcome,
-        'checkpoints': self.checkpoints.directory,
-        'wall_seconds': time.perf_counter() - start_time,
-        # From the start to the first step running: preparing (or finding)
-        # the data, restoring and compiling.
-        'seconds_to_first_step': (self.timings['first_step'] - start_time
-                                  if 'first_step' in self.timings else None),
-        'history': history,
-    }
-
-  def write_results(self, results: dict) -> str | None:
-    """Writes WORKDIR/results.json (on the first process only, the one
-    writer of a multi-host run); returns its path there."""
-    if jax.process_index() == 0:
-      return self.workdir.write_json(workdir_lib.RESULTS, results)
-    return None
-

@@ -88,24 +88,37 @@ def _wait_for_port(address: str, timeout_s: int) -> None:
       time.sleep(1)
 
 
-def check_divisible(batch_size: int, what: str = 'batch_size',
-                    micro_batches: int = 1) -> None:
-  """A clear error, before compiling, when a batch cannot be split evenly
-  over the devices and into `micro_batches` (gradient accumulation).
+def data_mesh() -> Mesh:
+  """Every device of every process along the one axis 'data'."""
+  return Mesh(np.array(jax.devices()), (DATA_AXIS,))
+
+
+def replicated_sharding() -> NamedSharding:
+  """A full copy on every device of the data mesh."""
+  return NamedSharding(data_mesh(), P())
+
+
+def rows_per_update(config: TransformerConfig) -> int:
+  """The rows every global batch is a multiple of: one per device and
+  micro-batch (config.grad_accumulation)."""
+  return jax.device_count() * config.grad_accumulation
+
+
+def check_divisible(rows: int, config: TransformerConfig,
+                    what: str = 'batch_size') -> None:
+  """A clear error, before compiling, when a batch of `rows` rows cannot be
+  split evenly over the devices and into micro-batches.
 
   Raises:
     ConfigError: naming `what`.
   """
-  devices = jax.device_count()
-  multiple = devices * micro_batches
-  if batch_size % multiple:
-    lower = batch_size - batch_size % multiple
-    over = f'{devices} devices' + (
-        f' x {micro_batches} micro-batches (grad_accumulation)'
-        if micro_batches > 1 else '')
+  multiple = rows_per_update(config)
+  if rows % multiple:
+    nearest = max(multiple, round(rows / multiple) * multiple)
     raise ConfigError(
-        f'{what}={batch_size} does not divide over {over}; use a multiple '
-        f'of {multiple} (e.g. {lower or multiple} or {lower + multiple}).')
+        f'{what}={rows} does not divide over {jax.device_count()} device(s) '
+        f'x {config.grad_accumulation} micro-batch(es) (grad_accumulation); '
+        f'use a multiple of {multiple}, e.g. {nearest}.')
 
 
 def pad_rows(array: np.ndarray, multiple: int, pad_id: int) -> np.ndarray:
@@ -148,7 +161,7 @@ class DataParallel:
 
   @functools.cached_property
   def mesh(self) -> Mesh:
-    return Mesh(np.array(jax.devices()), (DATA_AXIS,))
+    return data_mesh()
 
   @property
   def num_devices(self) -> int:
@@ -219,9 +232,8 @@ class DataParallel:
     'data', ntokens as int32[devices], each device's count. Raises
     ConfigError when the rows do not divide over the devices.
     """
-    rows = batch.src.shape[0] * jax.process_count()
-    check_divisible(rows, 'the global batch size',
-                    self.config.grad_accumulation)
+    check_divisible(batch.src.shape[0] * jax.process_count(), self.config,
+                    'the global batch size')
     counts = _shard_token_counts(batch.tgt_out, jax.local_device_count(),
                                  self.config.pad_id)
     return jax.tree.map(self.put_rows, batch.replace(ntokens=counts))

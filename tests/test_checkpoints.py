@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from flaxformer_mini import checkpoints as ckpt
-from flaxformer_mini import loop
+from flaxformer_mini import loop, run
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.parallel import DataParallel
@@ -43,7 +43,7 @@ def _train_in(workdir, cfg):
   parallel = DataParallel(cfg)
   with ckpt.Checkpoints(os.path.join(workdir, 'checkpoints'),
                         cfg.keep_checkpoints, writer=True) as checkpoints:
-    state, rng, resumed = loop.resume_or_start(cfg, checkpoints, parallel)
+    state, rng, resumed = run.resume_or_start(cfg, checkpoints, parallel)
     state, _ = loop.train(
         cfg, state, rng, functools.partial(copy_task.train_batch, cfg),
         parallel=parallel, checkpoints=checkpoints)
@@ -104,6 +104,25 @@ def test_a_run_resumes_with_other_micro_batches_and_the_same_updates(
   # The same updates, up to the order in which the micro-batches' sums add.
   for a, b in zip(_leaves(whole.params), _leaves(second.params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_run_of_another_task_is_refused_naming_it(tmp_path, cfg):
+  """A run is its task and its config: a copy run pointed at the workdir of
+  another task with the same preset (a reversal task, say) is refused in one
+  line, not resumed and overwritten."""
+  cfg = cfg.replace(train_steps=5)
+  parallel = DataParallel(cfg)
+  directory = str(tmp_path / 'checkpoints')
+  with ckpt.Checkpoints(directory, writer=True, task='reverse') as written:
+    state, rng, _ = run.resume_or_start(cfg, written, parallel, 'reverse')
+    loop.train(cfg, state, rng, functools.partial(copy_task.train_batch, cfg),
+               parallel=parallel, checkpoints=written)
+  with ckpt.Checkpoints(directory, writer=True, task='copy') as checkpoints:
+    with pytest.raises(ckpt.CheckpointError, match=(
+        r'holds checkpoints of a --task=reverse run, not --task=copy; resume '
+        r'it with --task=reverse, or use another --workdir, or --fresh')):
+      run.resume_or_start(cfg, checkpoints, parallel, 'copy')
+    assert run.resume_or_start(cfg, checkpoints, parallel, 'reverse')[2] == 5
 
 
 def test_fields_added_later_count_as_their_default_on_resumption(cfg):
@@ -450,13 +469,13 @@ def _one_second_a_step(monkeypatch) -> dict:
   (batches are made ahead in another thread, so not when they are made)."""
   clock = {'now': 0.0}
   monkeypatch.setattr(loop.time, 'perf_counter', lambda: clock['now'])
-  take = loop._Steps.take  # pylint: disable=protected-access
+  take = loop._OnDevice.take  # pylint: disable=protected-access
 
   def timed_take(self, batch):
     clock['now'] += 1.0
     take(self, batch)
 
-  monkeypatch.setattr(loop._Steps, 'take', timed_take)  # pylint: disable=protected-access
+  monkeypatch.setattr(loop._OnDevice, 'take', timed_take)  # pylint: disable=protected-access
   return clock
 
 

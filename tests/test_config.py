@@ -65,16 +65,21 @@ def test_task_fields_are_checked_by_their_task_only():
     train_translation.check_config(config_lib.get_config('translate').replace(
         tokens_per_batch=100))
   with pytest.raises(config_lib.ConfigError, match=(
-      r'^grad_accumulation=8: tokens_per_batch=1000 holds no batch of 8 rows '
-      r'\(1 device\(s\) x 8 micro-batches\) of length max_len=128; lower it, '
-      r'or raise tokens_per_batch to at least 1024.$')):
+      r'^tokens_per_batch=1000: holds no batch of 8 row\(s\) \(one per device '
+      r'and micro-batch\) of length max_len=128; raise it to at least 1024, '
+      r'or lower max_len or grad_accumulation.$')):
     train_translation.check_config(config_lib.get_config('translate').replace(
         tokens_per_batch=1000, grad_accumulation=8))
   with pytest.raises(config_lib.ConfigError, match=(
-      r'^batch_size=64 does not divide over 1 devices x 3 micro-batches '
-      r'\(grad_accumulation\); use a multiple of 3 \(e.g. 63 or 66\).$')):
+      r'^batch_size=64 does not divide over 1 device\(s\) x 3 micro-batch'
+      r'\(es\) \(grad_accumulation\); use a multiple of 3, e.g. 63.$')):
     train_copy.check_config(config_lib.get_config('copy').replace(
         batch_size=64, grad_accumulation=3))
+  # One value suggested, never 'e.g. 256 or 256'.
+  with pytest.raises(config_lib.ConfigError,
+                     match=r'use a multiple of 256, e.g. 256.$'):
+    train_copy.check_config(config_lib.get_config('copy').replace(
+        batch_size=100, grad_accumulation=256))
   with pytest.raises(config_lib.ConfigError,
                      match=r'^average_last=9: the run keeps only'):
     train_translation.check_config(config_lib.get_config('translate').replace(

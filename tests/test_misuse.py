@@ -26,6 +26,7 @@ from conftest import (MULTI30K, ROOT, multi30k_lines,
 from flaxformer_mini import checkpoints, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import DataError, parallel_text
+from flaxformer_mini.data import prepared as prepared_lib
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.tasks import train_copy, train_translation
 from flaxformer_mini.training import init_params
@@ -456,8 +457,8 @@ def test_a_damaged_prepared_record_is_named(tiny_run, data_slice, tmp_path):
   with Workdir(str(workdir)) as held:
     with pytest.raises(WorkdirError, match=f'{workdir}/prepared.json is '
                        'damaged.*restore it from a copy'):
-      train_translation.prepare(tiny_translation_config(), held,
-                                str(data_slice), None, None, fresh=False)
+      prepared_lib.prepare(tiny_translation_config(), held,
+                           prepared_lib.Source(str(data_slice)), fresh=False)
 
 
 @needs_multi30k
@@ -470,8 +471,8 @@ def test_the_same_data_at_another_path_is_accepted_with_a_note(
   moved = tmp_path / 'moved'
   shutil.copytree(data_slice, moved)
   with Workdir(str(workdir)) as held:
-    data = train_translation.prepare(tiny_translation_config(), held,
-                                     str(moved), None, None, fresh=False)
+    data = prepared_lib.prepare(tiny_translation_config(), held,
+                                prepared_lib.Source(str(moved)), fresh=False)
     assert held.read_json(workdir_lib.PREPARED)['source'] == str(moved)
   assert len(data.train) == 302
   assert (f'the data moved from {os.path.realpath(data_slice)} to {moved} '
@@ -759,18 +760,18 @@ def test_prepared_data_is_keyed_by_what_it_was_prepared_from(data_slice,
   _write(other / 'train.de.gz', ['ein anderer Satz'] * 300 + ['', 'x'])
   workdir = tmp_path / 'run'
   with Workdir(str(workdir)) as held:
-    data = train_translation.prepare(config, held, str(data_slice), None,
-                                     None, fresh=False)
+    data = prepared_lib.prepare(config, held,
+                                prepared_lib.Source(str(data_slice)))
     before = data.tokenizer.decode(data.train.pair(0)[0].tolist())
     first = held.read_json(workdir_lib.PREPARED)
     with pytest.raises(WorkdirError, match="the data's contents"):
-      train_translation.prepare(config, held, str(other), None, None, False)
+      prepared_lib.prepare(config, held, prepared_lib.Source(str(other)))
     with pytest.raises(WorkdirError, match='vocab_size: 300 -> 400'):
-      train_translation.prepare(config.replace(src_vocab_size=400,
-                                            tgt_vocab_size=400), held,
-                             str(data_slice), None, None, False)
-    again = train_translation.prepare(config, held, str(other), None, None,
-                                      fresh=True)
+      prepared_lib.prepare(config.replace(src_vocab_size=400,
+                                      tgt_vocab_size=400), held,
+                       prepared_lib.Source(str(data_slice)), False)
+    again = prepared_lib.prepare(config, held,
+                                 prepared_lib.Source(str(other)), fresh=True)
   # The new data, tokenized again, not stale.
   assert again.tokenizer.decode(again.train.pair(0)[0].tolist()) == (
       'ein anderer Satz') != before

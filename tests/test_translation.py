@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from flaxformer_mini import evaluation, loop
+from flaxformer_mini import run as run_lib
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import batching, parallel_text, tokenized, tokenizer
+from flaxformer_mini.data import prepared as prepared_lib
 from conftest import MULTI30K, multi30k_lines as _lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -386,7 +388,7 @@ def test_translation_training_resumes_exactly(tiny_run, tmp_path):
     cfg = config.replace(train_steps=steps)
     parallel = DataParallel(cfg)
     with ckpt.Checkpoints(str(directory), writer=True) as checkpoints:
-      state, rng, _ = loop.resume_or_start(cfg, checkpoints, parallel)
+      state, rng, _ = run_lib.resume_or_start(cfg, checkpoints, parallel)
       state, _ = loop.train(cfg, state, rng, batches.batch_at,
                             parallel=parallel, checkpoints=checkpoints)
     return jax.tree.leaves((state.params, state.opt_state))
@@ -433,8 +435,8 @@ def test_a_second_start_reads_none_of_the_corpus(tiny_run, data_slice,
 
   def prepare():
     with Workdir(str(run)) as opened:
-      return train_translation.prepare(config, opened, str(data), None, None,
-                                       fresh=False)
+      return prepared_lib.prepare(config, opened,
+                                  prepared_lib.Source(str(data)))
 
   prepared = prepare()
   assert calls == ['fingerprint']  # another path: read and hashed once

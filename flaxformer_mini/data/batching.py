@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.config import ConfigError, TransformerConfig
 from flaxformer_mini.masks import Batch, make_batch
 
 
@@ -63,6 +63,21 @@ def bucket_lengths(max_len: int, smallest: int = 8,
   return tuple(lengths) + (max_len,)
 
 
+def check_budget(tokens_per_batch: int, max_len: int, rows: int) -> None:
+  """A clear error, before any data is read, for a token budget that holds
+  no batch of `rows` rows (one per device and micro-batch) of max_len.
+
+  Raises:
+    ConfigError: naming tokens_per_batch.
+  """
+  if tokens_per_batch < max_len * rows:
+    raise ConfigError(
+        f'tokens_per_batch={tokens_per_batch}: holds no batch of {rows} '
+        f'row(s) (one per device and micro-batch) of length max_len='
+        f'{max_len}; raise it to at least {max_len * rows}, or lower max_len '
+        'or grad_accumulation.')
+
+
 class TokenBatches:
   """Bucketed batches of one dataset under a token budget.
 
@@ -91,15 +106,10 @@ class TokenBatches:
     # The pairs of each bucket, in corpus order.
     self.members = {int(b): usable[bucket_of == b]
                     for b in np.unique(bucket_of)}
-    self.rows = {}
-    for index, length in enumerate(self.buckets):
-      rows = tokens_per_batch // length // row_multiple * row_multiple
-      if rows == 0:
-        raise ValueError(
-            f'--tokens_per_batch={tokens_per_batch} holds no '
-            f'{row_multiple}-row batch of length {length}; raise it to at '
-            f'least {length * row_multiple}.')
-      self.rows[index] = rows
+    check_budget(tokens_per_batch, config.max_len, row_multiple)
+    # Every bucket's batch: as many rows of its length as the budget holds.
+    self.rows = {index: tokens_per_batch // length // row_multiple *
+                 row_multiple for index, length in enumerate(self.buckets)}
     # The plans of the last two epochs asked for (the threads that make
     # batches ahead read across an epoch boundary). A cache of this instance:
     # one on the method would be shared by every instance and keep them alive.

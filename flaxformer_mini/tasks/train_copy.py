@@ -16,7 +16,8 @@ import tqdm
 from flaxformer_mini import decoding, logbook
 from flaxformer_mini.config import ConfigError, TransformerConfig
 from flaxformer_mini.data import copy_task
-from flaxformer_mini.loop import SignalCatcher, TrainingRun
+from flaxformer_mini.loop import SignalCatcher
+from flaxformer_mini.run import TrainingRun
 from flaxformer_mini.parallel import (DataParallel, check_divisible,
                                       decode_sharded)
 from flaxformer_mini.training import TrainState
@@ -47,8 +48,7 @@ def check_config(config: TransformerConfig) -> None:
         f'src_vocab_size={config.src_vocab_size}: the copy task needs '
         'ordinary tokens above the special ids; raise src_vocab_size and '
         f'tgt_vocab_size above {config.first_ordinary_id}.')
-  check_divisible(config.batch_size,
-                  micro_batches=config.grad_accumulation)
+  check_divisible(config.batch_size, config)
 
 
 def greedy_copier(config: TransformerConfig):
@@ -98,7 +98,7 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
     if fresh and (moved := workdir.set_aside()):
       print(f'--fresh: the earlier run is now in {moved}')
     parallel = DataParallel(config)
-    training = TrainingRun.open(config, workdir, parallel)
+    training = TrainingRun.open('copy', config, workdir, parallel)
     decode_fn = greedy_copier(config)
     # The exact match of every evaluation so far, a resumed run's included.
     matches = [record.get('exact_match') for record in
@@ -127,7 +127,7 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
     # Draw 0 is never used during training: the final score is on unseen data.
     match, sources, decoded = exact_match(state.params, config, decode_fn, 0,
                                           parallel)
-    results = training.results('copy', state, history, start_time,
+    results = training.results(state, history, start_time,
                                exact_match=match,
                                eval_sequences=EVAL_SEQUENCES)
     if path := training.write_results(results):
