@@ -242,7 +242,6 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
 
   def one_step(state: BeamState) -> BeamState:
     step = state.step
-    length = step + 1  # generated tokens after this step, eos included
     # --> [batch * beams, 1]: the last token of every live hypothesis
     last = jax.lax.dynamic_slice_in_dim(state.live_sequences, step, 1, axis=2)
     logits, cache = tokens_to_logits(last.reshape(batch * beams, 1),
@@ -271,43 +270,57 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
     live_sequences = _gather_beams(top_sequences, live_picks)
     cache = _gather_cache(cache, _gather_beams(top_beams, live_picks))
 
-    # The finished pool: its old members, the eos candidates that made the
-    # top `beams`, and on the last step every live hypothesis (no eos).
-    made_beam = jnp.arange(2 * beams) < beams
-    eos_scores = jnp.where(is_eos & made_beam, top_log_probs, -jnp.inf
-                          ) / length_penalty(length, alpha)
-    last_step = length == max_len
-    cut_scores = jnp.where(last_step, live_log_probs, -jnp.inf
-                          ) / length_penalty(length, alpha)
-    # --> [batch, 4 * beams]: everything that may be finished now
-    pool_scores = jnp.concatenate(
-        [state.finished_scores, eos_scores, cut_scores], axis=1)
-    pool_sequences = jnp.concatenate(
-        [state.finished_sequences, top_sequences, live_sequences], axis=1)
-    pool_lengths = jnp.concatenate(
-        [state.finished_lengths,
-         jnp.full((batch, 3 * beams), length, jnp.int32)], axis=1)
-    pool_eos = jnp.concatenate(
-        [state.finished_eos, jnp.ones((batch, 2 * beams), bool),
-         jnp.zeros((batch, beams), bool)], axis=1)
-    # --> [batch, beams]: the best of them, best first
-    finished_scores, finished_picks = jax.lax.top_k(pool_scores, beams)
-    new_state = state.replace(
-        step=step + 1,
-        live_sequences=live_sequences,
-        live_log_probs=live_log_probs,
-        finished_sequences=_gather_beams(pool_sequences, finished_picks),
-        finished_scores=finished_scores,
-        finished_lengths=_gather_beams(pool_lengths, finished_picks),
-        finished_eos=_gather_beams(pool_eos, finished_picks),
-        done=_cannot_improve(live_log_probs[:, 0], finished_scores[:, -1],
-                             length, max_len, alpha),
-        cache=cache)
+    new_state = _update_finished(
+        state, top_sequences, jnp.where(is_eos, top_log_probs, -jnp.inf),
+        live_sequences, live_log_probs, alpha).replace(
+            step=step + 1, live_sequences=live_sequences,
+            live_log_probs=live_log_probs, cache=cache)
     if on_step is not None:
       jax.debug.callback(on_step, new_state.replace(cache=None), ordered=True)
     return new_state
 
   return jax.lax.while_loop(keep_going, one_step, state)
+
+
+def _update_finished(state: BeamState, top_sequences, eos_log_probs,
+                     live_sequences, live_log_probs, alpha: float
+                     ) -> BeamState:
+  """The finished pool after one step: its old members, the eos candidates
+  that made the top `beams`, and on the last step every live hypothesis (no
+  eos); the best `beams` of them, best first, and which items are done.
+
+  top_sequences: int32[batch, 2 * beams, max_len + 1], the step's best
+  candidates; eos_log_probs: float32[batch, 2 * beams], their log p where
+  they just ended in eos (-inf elsewhere); live_sequences, live_log_probs:
+  the new live pool, [batch, beams, ...].
+  """
+  batch, beams = live_log_probs.shape
+  length = state.step + 1  # generated tokens after this step, eos included
+  made_beam = jnp.arange(2 * beams) < beams
+  eos_scores = jnp.where(made_beam, eos_log_probs, -jnp.inf
+                        ) / length_penalty(length, alpha)
+  cut_scores = jnp.where(length == state.max_len, live_log_probs, -jnp.inf
+                        ) / length_penalty(length, alpha)
+  # --> [batch, 4 * beams]: everything that may be finished now
+  pool_scores = jnp.concatenate(
+      [state.finished_scores, eos_scores, cut_scores], axis=1)
+  pool_sequences = jnp.concatenate(
+      [state.finished_sequences, top_sequences, live_sequences], axis=1)
+  pool_lengths = jnp.concatenate(
+      [state.finished_lengths,
+       jnp.full((batch, 3 * beams), length, jnp.int32)], axis=1)
+  pool_eos = jnp.concatenate(
+      [state.finished_eos, jnp.ones((batch, 2 * beams), bool),
+       jnp.zeros((batch, beams), bool)], axis=1)
+  # --> [batch, beams]: the best of them, best first
+  finished_scores, picks = jax.lax.top_k(pool_scores, beams)
+  return state.replace(
+      finished_sequences=_gather_beams(pool_sequences, picks),
+      finished_scores=finished_scores,
+      finished_lengths=_gather_beams(pool_lengths, picks),
+      finished_eos=_gather_beams(pool_eos, picks),
+      done=_cannot_improve(live_log_probs[:, 0], finished_scores[:, -1],
+                           length, state.max_len, alpha))
 
 
 def take_items(state: BeamState, items) -> BeamState:
