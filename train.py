@@ -177,7 +177,7 @@ def main(argv: list[str]) -> None:
   args, config = parse(argv)
   compilation_cache.use(args.compilation_cache)
   # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import checkpoints, loop, parallel, workdir
+  from flaxformer_mini import checkpoints, loop, parallel, run, workdir
   from flaxformer_mini.data import DataError
   try:
     if args.tour:
@@ -200,6 +200,8 @@ def main(argv: list[str]) -> None:
   except (checkpoints.CheckpointError, DataError, workdir.WorkdirError,
           parallel.MultihostError) as e:
     sys.exit(f'train.py: error: {e}')
+  except run.NothingToTrain as e:
+    print(f'train.py: {e}')
   except loop.NonFinite as e:
     sys.exit(f'train.py: {e}')
   except loop.Interrupted as e:

@@ -25,6 +25,11 @@ from flaxformer_mini.training import TrainState, create_train_state
 from flaxformer_mini.workdir import Workdir
 
 
+class NothingToTrain(Exception):
+  """The workdir's run is already at (and done with) --train_steps or past
+  it: nothing is trained and nothing is written."""
+
+
 def resume_or_start(config: TransformerConfig, checkpoints: Checkpoints,
                     parallel: DataParallel, task: str | None = None
                     ) -> tuple[TrainState, object, int]:
@@ -89,6 +94,11 @@ class TrainingRun:
     except BaseException:
       checkpoints.close()
       raise
+    try:
+      _check_steps_left(config, workdir, resumed_from)
+    except NothingToTrain:
+      checkpoints.close()
+      raise
     if resumed_from:
       print(f'resuming from step {resumed_from} of {checkpoints.directory}')
     log = (logbook.Logbook(workdir.path, resumed_from)
@@ -139,3 +149,21 @@ class TrainingRun:
       return self.workdir.write_json(workdir_lib.RESULTS, results)
     return None
 
+
+def _check_steps_left(config: TransformerConfig, workdir: Workdir,
+                      resumed_from: int) -> None:
+  """NothingToTrain where the run is past --train_steps, or at it with its
+  results written (a run stopped during its final evaluation finishes it)."""
+  try:
+    results = workdir.read_json(workdir_lib.RESULTS) or {}
+  except workdir_lib.WorkdirError:  # not whole: the run did not finish it
+    results = {}
+  done = resumed_from == config.train_steps and (
+      results.get('steps') == resumed_from)
+  if resumed_from > config.train_steps or done:
+    raise NothingToTrain(
+        f'--train_steps={config.train_steps}: the run in {workdir.path} is '
+        f'already at step {resumed_from}'
+        + (' with its results written' if done else '') +
+        '; nothing to train (raise --train_steps to go on, or use --fresh or '
+        'another --workdir to start over).')

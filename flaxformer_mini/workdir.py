@@ -152,6 +152,10 @@ def read_json(path: str) -> dict | None:
                        'a copy, or move it away to go on without it.') from None
 
 
+# What load_run can load: the run's choice, its last checkpoint, its average.
+WHICH = ('best', 'latest', 'averaged')
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainedRun:
   """A trained run as `load_run` reads it."""
@@ -190,6 +194,8 @@ def load_run(path: str, which: str = 'best', sharding=None) -> TrainedRun:
     CheckpointError: it holds no readable checkpoint of that kind.
     DataError: its vocabulary is damaged.
   """
+  if which not in WHICH:
+    raise ValueError(f'which={which!r}: allowed values: {", ".join(WHICH)}.')
   if not os.path.isdir(path):
     raise WorkdirError(f'--workdir={path}: no such folder; name the workdir '
                        'of a run trained with train.py.')

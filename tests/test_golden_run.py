@@ -71,3 +71,11 @@ def test_an_e577ba4_run_resumes_as_that_version_resumed_it(tmp_path):
   assert decoding.translate_lines(
       run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
       alpha=run.config.eval_alpha) == resumed['translations']
+
+
+@pytest.mark.parametrize('which', ['average', 'Latest', ''])
+def test_an_unknown_choice_of_parameters_is_refused_naming_the_allowed(which):
+  """'average' once returned the latest parameters labelled 'average'."""
+  with pytest.raises(ValueError, match=(
+      rf"^which={which!r}: allowed values: best, latest, averaged.$")):
+    workdir.load_run(os.path.join(GOLDEN, 'workdir'), which)

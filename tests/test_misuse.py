@@ -853,3 +853,31 @@ def test_translate_on_a_damaged_or_empty_workdir_says_what_to_do(tiny_run,
   line = _one_line_error(_translate(f'--workdir={damaged}', '--params=latest',
                                     stdin=b'x\n'), 2, 'to use step 6')
   assert '--fresh' not in line
+
+
+# The third review (reliability-3.md): the input pipeline, gradient
+# accumulation, multi-host runs and the downloader. Its case names in
+# brackets.
+
+
+def test_train_steps_at_or_below_the_checkpoint_say_so_and_write_nothing(
+    toy_workdir, tmp_path):
+  # [train_steps_below_checkpoint] The run at toy_workdir finished its 10
+  # steps: asking for 5, or again for 10, trains nothing and rewrites nothing.
+  workdir = tmp_path / 'run'
+  shutil.copytree(toy_workdir, workdir)
+  before = {name: (workdir / name).read_bytes()
+            for name in ('results.json', 'metrics.jsonl')}
+  for steps in (5, 10):
+    result = _train('--task=copy', '--config=toy', f'--workdir={workdir}',
+                    f'--train_steps={steps}', '--log_every=5',
+                    '--checkpoint_every=5', '--eval_every=100000')
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert result.stdout.decode().strip() == (
+        f'train.py: --train_steps={steps}: the run in {workdir} is already at '
+        f'step 10{" with its results written" if steps == 10 else ""}; '
+        'nothing to train (raise --train_steps to go on, or use --fresh or '
+        'another --workdir to start over).')
+    assert 'Traceback' not in result.stderr.decode()
+  assert {name: (workdir / name).read_bytes() for name in before} == before
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['10', '5']

@@ -58,3 +58,38 @@ def test_a_file_that_arrives_damaged_is_refused_and_not_kept(tmp_path, monkeypat
                                       r'run again\.$'):
     multi30k.download(str(tmp_path / 'data'))
   assert not (tmp_path / 'data' / 'train.de.gz').exists()
+
+
+def _main(directory: str, url: str) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [sys.executable, '-c', 'import sys; from flaxformer_mini.data import '
+       f'multi30k; multi30k.URL = {url!r}; multi30k.main(sys.argv[1:])',
+       directory], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+@needs_multi30k
+def test_a_target_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+  """A file, a folder under a file, a folder that refuses the write: one
+  line naming the folder and what to do, exit code 1, no traceback."""
+  (tmp_path / 'a_file').write_text('')
+  for target, why in ((tmp_path / 'a_file', 'File exists'),
+                      (tmp_path / 'a_file' / 'data', 'Not a directory')):
+    result = _main(str(target), f'file://{MULTI30K}/')
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (f'multi30k: error: {target}: {why}; give a folder you can '
+                    'write.')
+  # A read-only disk: the write of a file's .part copy is refused.
+  monkeypatch.setattr(multi30k, 'URL', f'file://{MULTI30K}/')
+  real_open = open
+
+  def read_only(path, mode='r', *args, **kwargs):
+    if 'w' in mode:
+      raise OSError(30, 'Read-only file system', path)
+    return real_open(path, mode, *args, **kwargs)
+
+  monkeypatch.setattr('builtins.open', read_only)
+  with pytest.raises(DataError, match=(
+      rf'^{tmp_path / "data"}: Read-only file system; give a folder you can '
+      r'write.$')):
+    multi30k.download(str(tmp_path / 'data'))

@@ -225,6 +225,34 @@ def test_an_interrupted_or_damaged_tokenized_split_is_named(tmp_path):
     tokenized.TokenizedSplit(str(tmp_path), 'train')
 
 
+def test_ids_past_the_vocabulary_or_changed_bytes_are_named_when_opened(
+    tmp_path):
+  """Bits flipped in an id file, its size intact, would train on wrong ids
+  (or make the loss NaN): opening the split names the file instead."""
+  src, tgt = _random_pairs(10, np.random.default_rng(5))
+  tokenized.write_split(str(tmp_path), 'train', [(src, tgt)], 300)
+  ids = np.fromfile(tmp_path / 'train.src.ids', np.uint16)
+  flipped = ids.copy()
+  flipped[4] ^= 1  # another id, within the vocabulary
+  flipped.tofile(tmp_path / 'train.src.ids')
+  with pytest.raises(tokenized.DataError, match=(
+      r'train.src.ids changed since it was written: its checksum differs\); '
+      r'delete that folder and run again')):
+    tokenized.TokenizedSplit(str(tmp_path), 'train')
+  # A split written before the record held checksums: the vocabulary still
+  # bounds its ids.
+  record = json.loads((tmp_path / 'train.json').read_text())
+  del record['crc32'], record['vocab_size']
+  (tmp_path / 'train.json').write_text(json.dumps(record))
+  flipped[4] = 3000
+  flipped.tofile(tmp_path / 'train.src.ids')
+  with pytest.raises(tokenized.DataError, match=(
+      r'train.src.ids holds id 3000, past the vocabulary of 300\)')):
+    tokenized.TokenizedSplit(str(tmp_path), 'train', vocab_size=300)
+  ids.tofile(tmp_path / 'train.src.ids')
+  assert len(tokenized.TokenizedSplit(str(tmp_path), 'train', 300)) == 10
+
+
 class _Source:
   """A stand-in for a TFDS data source: source[i] is {lang: bytes}."""
 

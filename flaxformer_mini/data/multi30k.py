@@ -53,30 +53,39 @@ def download(directory: str, timeout: float = 60.0) -> list[str]:
   names. A file is written whole or not at all.
 
   Raises:
-    DataError: a file could not be fetched (no internet?) or arrived other
-      than the repository holds it, with what to do.
+    DataError: a file could not be fetched (no internet?), arrived other
+      than the repository holds it, or `directory` cannot be written, with
+      what to do.
   """
-  os.makedirs(directory, exist_ok=True)
-  fetched = []
-  for name in missing(directory):
-    path = os.path.join(directory, name)
-    try:
-      with urllib.request.urlopen(URL + name, timeout=timeout) as response:
-        data = response.read()
-    except (urllib.error.URLError, OSError) as e:
-      reason = getattr(e, 'reason', e)
-      raise DataError(
-          f'could not fetch {URL + name} ({reason}); check the internet '
-          f'connection and run again, or copy the Multi30k files into '
-          f'{directory} by hand.') from None
-    if hashlib.sha256(data).hexdigest() != SHA256[name]:
-      raise DataError(f'{URL + name} arrived damaged (its SHA-256 differs); '
-                      'run again.')
-    with open(path + '.part', 'wb') as f:
-      f.write(data)
-    os.replace(path + '.part', path)
-    fetched.append(name)
+  try:
+    os.makedirs(directory, exist_ok=True)
+    fetched = []
+    for name in missing(directory):
+      _fetch(name, os.path.join(directory, name), timeout)
+      fetched.append(name)
+  except OSError as e:  # the target, not the network (_fetch names that)
+    raise DataError(f'{directory}: {e.strerror or e}; give a folder you can '
+                    'write.') from None
   return fetched
+
+
+def _fetch(name: str, path: str, timeout: float) -> None:
+  """Writes URL + name to `path`, whole (through path.part) or not at all."""
+  try:
+    with urllib.request.urlopen(URL + name, timeout=timeout) as response:
+      data = response.read()
+  except (urllib.error.URLError, OSError) as e:
+    reason = getattr(e, 'reason', e)
+    raise DataError(
+        f'could not fetch {URL + name} ({reason}); check the internet '
+        f'connection and run again, or copy the Multi30k files into '
+        f'{os.path.dirname(path)} by hand.') from None
+  if hashlib.sha256(data).hexdigest() != SHA256[name]:
+    raise DataError(f'{URL + name} arrived damaged (its SHA-256 differs); '
+                    'run again.')
+  with open(path + '.part', 'wb') as f:
+    f.write(data)
+  os.replace(path + '.part', path)
 
 
 def main(argv: list[str]) -> None:

@@ -138,7 +138,7 @@ def _tokenize(splits: dict, split: str, languages: tuple[str, str], tokenizer,
           yield chunk
       tokenized.write_split(directory, split, counted(
           tokenized.encoded_chunks(source, languages, tokenizer)), vocab_size)
-  return tokenized.TokenizedSplit(directory, split)
+  return tokenized.TokenizedSplit(directory, split, vocab_size)
 
 
 def _prepare_here(config: TransformerConfig, workdir: Workdir,

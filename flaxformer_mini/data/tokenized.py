@@ -8,8 +8,9 @@ or resume opens what was written, so its cost does not grow with the corpus
                           where the vocabulary fits, else int32)
   {split}.{side}.offsets  int64[pairs + 1]: sentence i is ids[offsets[i]:
                           offsets[i + 1]]
-  {split}.json            the pair count and the ids' dtype, written last:
-                          a split without it is incomplete and written again
+  {split}.json            the pair count, the ids' dtype, the vocabulary's
+                          size and a CRC-32 of each file, written last: a
+                          split without it is incomplete and written again
 
 for side 'src' and 'tgt'. Ids carry no specials (bos / eos are added when a
 batch is made). Reading a batch touches only its rows' pages.
@@ -17,6 +18,7 @@ batch is made). Reading a batch touches only its rows' pages.
 
 import json
 import os
+import zlib
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -39,6 +41,18 @@ def ids_dtype(vocab_size: int) -> np.dtype:
   return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
 
 
+class _Written:
+  """A file written in pieces, with the CRC-32 of what was written."""
+
+  def __init__(self, path: str):
+    self.file, self.crc32 = open(path, 'wb'), 0
+
+  def write(self, array: np.ndarray) -> None:
+    data = np.ascontiguousarray(array).tobytes()
+    self.file.write(data)
+    self.crc32 = zlib.crc32(data, self.crc32)
+
+
 def write_split(directory: str, split: str,
                 chunks: Iterable[tuple[list, list]], vocab_size: int) -> None:
   """Writes a split from chunks of (source id lists, target id lists).
@@ -54,24 +68,26 @@ def write_split(directory: str, split: str,
   files = {}
   try:
     for side in SIDES:
-      files[side] = (open(_path(directory, split, f'{side}.ids'), 'wb'),
-                     open(_path(directory, split, f'{side}.offsets'), 'wb'))
-      np.zeros(1, np.int64).tofile(files[side][1])
+      files[f'{side}.ids'] = _Written(_path(directory, split, f'{side}.ids'))
+      files[f'{side}.offsets'] = _Written(
+          _path(directory, split, f'{side}.offsets'))
+      files[f'{side}.offsets'].write(np.zeros(1, np.int64))
     pairs, ends = 0, dict.fromkeys(SIDES, 0)
     for chunk in chunks:
       for side, sentences in zip(SIDES, chunk):
         lengths = np.fromiter(map(len, sentences), np.int64, len(sentences))
         if lengths.sum():
-          np.concatenate(sentences).astype(dtype).tofile(files[side][0])
-        (ends[side] + np.cumsum(lengths)).tofile(files[side][1])
+          files[f'{side}.ids'].write(np.concatenate(sentences).astype(dtype))
+        files[f'{side}.offsets'].write(ends[side] + np.cumsum(lengths))
         ends[side] += int(lengths.sum())
       pairs += len(chunk[0])
   finally:
-    for ids, offsets in files.values():
-      ids.close()
-      offsets.close()
+    for written in files.values():
+      written.file.close()
   with open(status + '.tmp', 'w') as f:
-    json.dump({'pairs': pairs, 'dtype': dtype.name, 'tokens': ends}, f)
+    json.dump({'pairs': pairs, 'dtype': dtype.name, 'tokens': ends,
+               'vocab_size': vocab_size,
+               'crc32': {name: w.crc32 for name, w in files.items()}}, f)
   os.replace(status + '.tmp', status)
 
 
@@ -105,12 +121,19 @@ def is_complete(directory: str, split: str) -> bool:
 class TokenizedSplit:
   """One split's pairs, memory-mapped: `pair(i)` -> (source ids, target ids).
 
+  Opening it checks its files against the record: sizes, checksums (splits
+  written since the record had them) and that no id lies past the
+  vocabulary (`vocab_size`, else the record's), so that damaged ids are
+  named here, not met as a NaN loss. One read of each file: about 0.1 s for
+  WMT14's 135M tokens once they are in the page cache.
+
   Raises:
-    DataError: the split is incomplete or its files do not match its record
-      (naming the folder and the way out).
+    DataError: the split is incomplete or damaged (naming the folder, the
+      file and the way out).
   """
 
-  def __init__(self, directory: str, split: str):
+  def __init__(self, directory: str, split: str,
+               vocab_size: int | None = None):
     self.directory, self.split = directory, split
     try:
       with open(_path(directory, split, 'json')) as f:
@@ -129,9 +152,27 @@ class TokenizedSplit:
             self.ids[side].shape != (tokens,)):
           raise ValueError(f'{side} files do not match the record')
     except (OSError, ValueError, KeyError, TypeError) as e:
-      raise DataError(
-          f'{directory}: the tokenized {split} split is damaged ({e}); '
-          'delete that folder and run again to tokenize it anew.') from None
+      raise self._damaged(f'({e})') from None
+    self._verify(record, vocab_size or record.get('vocab_size'))
+
+  def _damaged(self, why: str) -> DataError:
+    return DataError(
+        f'{self.directory}: the tokenized {self.split} split is damaged '
+        f'{why}; delete that folder and run again to tokenize it anew.')
+
+  def _verify(self, record: dict, vocab_size: int | None) -> None:
+    arrays = {f'{side}.{kind}': getattr(self, kind)[side]
+              for side in SIDES for kind in ('ids', 'offsets')}
+    for name, crc32 in record.get('crc32', {}).items():
+      if zlib.crc32(arrays[name]) != crc32:
+        raise self._damaged(f'({self.split}.{name} changed since it was '
+                            'written: its checksum differs)')
+    for side in SIDES:
+      ids = self.ids[side]
+      if vocab_size and len(ids) and int(ids.max()) >= vocab_size:
+        raise self._damaged(f'({self.split}.{side}.ids holds id '
+                            f'{int(ids.max())}, past the vocabulary of '
+                            f'{vocab_size})')
 
   def __len__(self) -> int:
     return self.pairs
