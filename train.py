@@ -177,8 +177,9 @@ def main(argv: list[str]) -> None:
   args, config = parse(argv)
   compilation_cache.use(args.compilation_cache)
   # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import checkpoints, loop, parallel, run, workdir
+  from flaxformer_mini import checkpoints, disk, loop, parallel, run, workdir
   from flaxformer_mini.data import DataError
+  path = args.workdir or os.path.join('runs', args.task)
   try:
     if args.tour:
       _tour(args, config)
@@ -187,7 +188,6 @@ def main(argv: list[str]) -> None:
       parallel.initialize_multihost(args.coordinator_address,
                                     args.num_processes, args.process_id,
                                     args.multihost_timeout)
-    path = args.workdir or os.path.join('runs', args.task)
     task, data = TASKS[args.task], {}
     if task.reads_text:
       if missing := cli.missing_translation_extras():
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> None:
   except config_lib.ConfigError as e:
     build_parser().error(f'--{e}')
   except (checkpoints.CheckpointError, DataError, workdir.WorkdirError,
-          parallel.MultihostError) as e:
+          parallel.MultihostError, disk.DiskFull) as e:
     sys.exit(f'train.py: error: {e}')
   except run.NothingToTrain as e:
     print(f'train.py: {e}')
@@ -207,6 +207,13 @@ def main(argv: list[str]) -> None:
   except loop.Interrupted as e:
     print(f'train.py: {e}', file=sys.stderr)
     sys.exit(128 + e.signum)
+  except Exception as e:  # pylint: disable=broad-except
+    if not disk.is_full(e):
+      raise
+    # Any other writer (the data's preparation, results.json, ...).
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    sys.exit(f'train.py: error: no space left on the disk of {path} '
+             f'({first}); free some and run the same command again.')
 
 
 if __name__ == '__main__':

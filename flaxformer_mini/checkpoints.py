@@ -23,6 +23,7 @@ another process. Saving is asynchronous: the arrays are copied off the
 device, then written in the background while training goes on.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -34,6 +35,7 @@ import optax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
+from flaxformer_mini import disk
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.parallel import replicated_sharding
 from flaxformer_mini.training import TrainState, init_params
@@ -51,12 +53,15 @@ RESUMABLE_FIELDS = frozenset({
 
 class _QuietOrbax(logging.Filter):
   """orbax warns at every save without an evaluation score (most have none)
-  and whenever a directory is opened read-only (as every reader here does)."""
+  and whenever a directory is opened read-only (as every reader here does);
+  it logs a full disk from each of its writer threads, which the run reports
+  once, as disk.DiskFull."""
 
   def filter(self, record):
     message = record.getMessage()
     return ('tracked_metric' not in message and
-            'directory is read only' not in message)
+            'directory is read only' not in message and
+            not any(words in message for words in disk.WORDS))
 
 
 _QUIET = _QuietOrbax()
@@ -173,33 +178,82 @@ class Checkpoints:
 
   def save(self, step: int, state: TrainState, rng, config: TransformerConfig,
            score: float | None = None) -> None:
-    """Starts saving `state` as `step` (with an evaluation score, if any)."""
+    """Starts saving `state` as `step` (with an evaluation score, if any).
+
+    Raises:
+      disk.DiskFull: the disk has no room for it (checked before anything
+        is written), or filled up while the previous save was written.
+    """
     self._check_writer()
+    # orbax waits for the previous save before it starts this one: wait
+    # first, so that the room is measured with that one on disk.
+    self.wait()
+    self._check_room(step, (state.params, state.opt_state))
     meta = {'step': step, 'task': self.task,
             'config': dataclasses.asdict(config),
             'rng': np.asarray(jax.random.key_data(rng)).tolist(),
             'data_position': {'step': step},
             'checksums': {'params': checksums(state.params),
                           'opt_state': checksums(state.opt_state)}}
-    self.manager.save(
-        step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            opt_state=ocp.args.StandardSave(state.opt_state),
-            meta=ocp.args.JsonSave(meta)),
-        metrics=None if score is None else {'score': float(score)},
-        force=True)
+    with self._disk_full_as_one_error(step):
+      self.manager.save(
+          step, args=ocp.args.Composite(
+              params=ocp.args.StandardSave(state.params),
+              opt_state=ocp.args.StandardSave(state.opt_state),
+              meta=ocp.args.JsonSave(meta)),
+          metrics=None if score is None else {'score': float(score)},
+          force=True)
+
+  def _check_room(self, step: int, arrays) -> None:
+    """DiskFull, before orbax writes a byte, where `arrays` will not fit.
+
+    A checkpoint takes about its arrays' bytes; the margin leaves room for
+    orbax's metadata and the run's logs. (Failing inside orbax's writer
+    threads is noisier and leaves a partial step behind.)
+    """
+    need = int(sum(leaf.nbytes for leaf in jax.tree.leaves(arrays)) * 1.1
+               ) + (1 << 20)
+    free = disk.free_bytes(self.directory)
+    if free < need:
+      raise self._disk_full(
+          f'checkpoint {step} needs about {need / 2**20:.1f} MB, '
+          f'{free / 2**20:.1f} MB are free')
+
+  def _disk_full(self, why: str) -> disk.DiskFull:
+    # Complete steps are plain numbers; orbax renames a step's temporary
+    # folder to its number once the step is whole.
+    intact = [int(name) for name in os.listdir(self.directory)
+              if name.isdigit()]
+    return disk.DiskFull(
+        f'no space left on the disk of {self.directory} ({why}); free some '
+        'and run the same command again: ' +
+        (f'the checkpoints up to step {max(intact)} are intact.' if intact
+         else 'no checkpoint was written yet.'))
+
+  @contextlib.contextmanager
+  def _disk_full_as_one_error(self, step: int | None = None):
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk.is_full(e):
+        raise
+      what = f'while writing step {step}' if step else 'while writing'
+      raise self._disk_full(f'it filled up {what}') from None
 
   def save_params(self, step: int, params, config: TransformerConfig,
                   note: dict) -> None:
     """Saves parameters alone (e.g. averaged ones) as `step`, with `note`."""
     self._check_writer()
+    self.wait()
+    self._check_room(step, params)
     meta = {'step': step, 'config': dataclasses.asdict(config),
             'checksums': {'params': checksums(params)}, **note}
     if step in self.manager.all_steps():  # e.g. averaged again after a rerun
       self.manager.delete(step)
-    self.manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
-                      force=True)
+    with self._disk_full_as_one_error(step):
+      self.manager.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          meta=ocp.args.JsonSave(meta)), force=True)
 
   def _check_writer(self) -> None:
     if not self.writer:  # orbax would skip the save without a word
@@ -207,7 +261,10 @@ class Checkpoints:
                        'writer=True to save.')
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Blocks until every save is on disk (disk.DiskFull where the disk
+    filled up while writing one)."""
+    with self._disk_full_as_one_error():
+      self.manager.wait_until_finished()
 
   def read_meta(self, step: int) -> dict:
     """The meta item of `step`; CheckpointError if it cannot be read."""
@@ -315,7 +372,8 @@ class Checkpoints:
     return restored['params']
 
   def close(self) -> None:
-    self.manager.close()
+    with self._disk_full_as_one_error():
+      self.manager.close()
 
 
 def saved_config(meta: dict) -> TransformerConfig:

@@ -7,6 +7,7 @@ curves.png from the logbook; `results` and `write_results` make the
 results.json every task writes.
 """
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable
@@ -14,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from flaxformer_mini import logbook, loop, plots
+from flaxformer_mini import disk, logbook, loop, plots
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
                                          config_differences)
@@ -91,12 +92,8 @@ class TrainingRun:
     try:
       state, rng, resumed_from = resume_or_start(config, checkpoints,
                                                  parallel, task)
-    except BaseException:
-      checkpoints.close()
-      raise
-    try:
       _check_steps_left(config, workdir, resumed_from)
-    except NothingToTrain:
+    except BaseException:
       checkpoints.close()
       raise
     if resumed_from:
@@ -113,13 +110,35 @@ class TrainingRun:
                       self.parallel, self.checkpoints, self.log, signals,
                       self.timings)
 
-  def close(self, title: str) -> None:
-    """Waits for the last checkpoint; closes the logbook and draws curves.png."""
+  def close(self, title: str, draw: bool = True) -> None:
+    """Waits for the last checkpoint; closes the logbook and draws
+    curves.png (unless not `draw`)."""
     self.checkpoints.close()
     if self.log is not None:
       self.log.close()
-      if logbook.read_records(self.workdir.path).get('train'):
+      if draw and logbook.read_records(self.workdir.path).get('train'):
         plots.training_curves(self.workdir.path, title)
+
+  @contextlib.contextmanager
+  def closing(self, title: str):
+    """Closes the run (`close(title)`) after its training, however that
+    ends; where the disk filled up, closes it without writing or drawing
+    anything more, and raises disk.DiskFull."""
+    try:
+      yield self
+    except BaseException as e:
+      if not disk.is_full(e):
+        self.close(title)
+        raise
+      with contextlib.suppress(Exception):  # the disk's error, met again
+        self.close(title, draw=False)
+      if isinstance(e, disk.DiskFull):
+        raise
+      raise disk.DiskFull(
+          f'no space left on the disk of {self.workdir.path} (while writing '
+          'the run\'s logs); free some and run the same command again.'
+      ) from None
+    self.close(title)
 
   def results(self, state: TrainState, history: list[dict],
               start_time: float, **outcome) -> dict:

@@ -6,6 +6,7 @@ assert the one line that names the problem, that no traceback is printed,
 and what happens to the files.
 """
 
+import contextlib
 import gzip
 import json
 import os
@@ -27,6 +28,7 @@ from flaxformer_mini import checkpoints, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import DataError, parallel_text
 from flaxformer_mini.data import prepared as prepared_lib
+from flaxformer_mini.data import tokenized
 from flaxformer_mini.data import tokenizer as spm_lib
 from flaxformer_mini.tasks import train_copy, train_translation
 from flaxformer_mini.training import init_params
@@ -881,3 +883,152 @@ def test_train_steps_at_or_below_the_checkpoint_say_so_and_write_nothing(
     assert 'Traceback' not in result.stderr.decode()
   assert {name: (workdir / name).read_bytes() for name in before} == before
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['10', '5']
+
+
+def _tokens(workdir) -> dict:
+  return {path.name: path.read_bytes()
+          for path in sorted((workdir / 'tokens').iterdir())}
+
+
+@needs_multi30k
+def test_an_interrupted_preparation_is_finished_by_the_same_command(
+    data_slice, tmp_path, monkeypatch):
+  # [prepare_interrupted_then_rerun] Ctrl-C while tokenizing, while the
+  # vocabulary is written, or (by an earlier version) before any record:
+  # the same preparation again finishes it, keeping a vocabulary that reads
+  # back whole, and makes what an uninterrupted one makes.
+  config = tiny_translation_config()
+  source = prepared_lib.Source(str(data_slice))
+  clean = tmp_path / 'clean'
+  with Workdir(str(clean)) as held:
+    prepared_lib.prepare(config, held, source)
+  real_write = tokenized.write_split
+
+  def interrupted_write(directory, split, chunks, vocab_size):
+    def some(chunks):
+      yield next(iter(chunks))
+      raise KeyboardInterrupt
+    real_write(directory, split, some(chunks), vocab_size)
+
+  workdir = tmp_path / 'run'
+  monkeypatch.setattr(tokenized, 'write_split', interrupted_write)
+  with Workdir(str(workdir)) as held, pytest.raises(KeyboardInterrupt):
+    prepared_lib.prepare(config, held, source)
+  monkeypatch.setattr(tokenized, 'write_split', real_write)
+  vocabulary = (workdir / 'spm.model').stat().st_mtime_ns
+  assert not tokenized.is_complete(str(workdir / 'tokens'), 'train')
+  with Workdir(str(workdir)) as held:
+    data = prepared_lib.prepare(config, held, source)
+  assert (workdir / 'spm.model').stat().st_mtime_ns == vocabulary  # kept
+  assert len(data.train) == 302 and _tokens(workdir) == _tokens(clean)
+  assert json.loads((workdir / 'prepared.json').read_text())['complete']
+  # The vocabulary cut short as it was written: trained again.
+  (workdir / 'prepared.json').write_text(json.dumps(
+      {**json.loads((workdir / 'prepared.json').read_text()),
+       'complete': False}))
+  _cut_in_half(workdir / 'spm.model')
+  shutil.rmtree(workdir / 'tokens')
+  with Workdir(str(workdir)) as held:
+    prepared_lib.prepare(config, held, source)
+  assert _tokens(workdir) == _tokens(clean)
+  # What e577ba4 left, with no record at all: set aside, prepared anew.
+  leftovers = tmp_path / 'old'
+  leftovers.mkdir()
+  (leftovers / 'spm.model').write_bytes((clean / 'spm.model').read_bytes())
+  (leftovers / 'tokens').mkdir()
+  (leftovers / 'tokens' / 'train.src.ids').write_bytes(b'\0' * 100)
+  result = _train(*tiny_translation_flags(train_steps=1, log_every=1,
+                                          eval_every=100, average_last=0),
+                  f'--data_dir={data_slice}', f'--workdir={leftovers}')
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  (aside,) = [p for p in leftovers.iterdir()
+              if p.name.startswith('set-aside-')]
+  assert (f'an interrupted preparation that did not record what it was '
+          f'prepared from is now in {aside}; preparing anew'
+          ) in result.stdout.decode()
+  assert sorted(os.listdir(aside)) == ['spm.model', 'tokens']
+  assert _tokens(leftovers) == _tokens(clean)
+
+
+@needs_multi30k
+def test_a_file_edited_in_place_with_its_size_and_times_kept_is_seen(
+    data_slice, tmp_path):
+  # [data_edited_same_size_and_mtime] Two lines swapped, the modification
+  # time set back (as cp -p, rsync -a, tar x and touch -r do): refused as
+  # other data, not trained on as the old pairs.
+  data = tmp_path / 'data'
+  shutil.copytree(data_slice, data)
+  config = tiny_translation_config()
+  with Workdir(str(tmp_path / 'run')) as held:
+    prepared_lib.prepare(config, held, prepared_lib.Source(str(data)))
+  path = data / 'val.en'
+  status = path.stat()
+  lines = path.read_text(encoding='utf-8').splitlines(keepends=True)
+  lines[0], lines[1] = lines[1], lines[0]
+  path.write_text(''.join(lines), encoding='utf-8')
+  os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+  assert (path.stat().st_size, path.stat().st_mtime_ns) == (
+      status.st_size, status.st_mtime_ns)
+  with Workdir(str(tmp_path / 'run')) as held, pytest.raises(
+      WorkdirError, match="other data or settings \\(the data's contents"):
+    prepared_lib.prepare(config, held, prepared_lib.Source(str(data)))
+
+
+@contextlib.contextmanager
+def _small_disk(path, kilobytes: int):
+  """A disk of `kilobytes` mounted at `path` (a tmpfs); skips where this
+  process may not mount one."""
+  path.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={kilobytes}k',
+                            'tmpfs', str(path)], capture_output=True,
+                           text=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f'cannot mount a small disk here: {mounted.stderr.strip()}')
+  try:
+    yield path
+  finally:
+    subprocess.run(['umount', '-l', str(path)], check=False)
+
+
+def test_a_full_disk_while_saving_is_one_line_and_the_rerun_goes_on(
+    tmp_path):
+  # [disk_full_saving] Room for the checkpoints of steps 5 and 10, not 15:
+  # one line naming the folder and the last intact checkpoint, exit code 1,
+  # nothing drawn or written after it; with room, the same command resumes.
+  args = ['--task=copy', '--train_steps=20', '--log_every=5',
+          '--checkpoint_every=5', '--eval_every=100000']
+  with _small_disk(tmp_path / 'disk', 3200) as small:
+    full = _train(*args, f'--workdir={small / "run"}')
+    _last_line_error(full, 1, f'train.py: error: no space left on the disk of '
+                     f'{small / "run" / "checkpoints"} (checkpoint 15 needs '
+                     'about', 'free some and run the same command again: the '
+                     'checkpoints up to step 10 are intact.')
+    assert sorted(os.listdir(small / 'run' / 'checkpoints')) == ['10', '5']
+    assert not (small / 'run' / 'curves.png').exists()
+    assert not (small / 'run' / 'results.json').exists()
+    shutil.copytree(small / 'run', tmp_path / 'run')
+  again = _train(*args, f'--workdir={tmp_path / "run"}')
+  assert again.returncode == 0, again.stderr.decode()[-3000:]
+  assert 'resuming from step 10' in again.stdout.decode()
+  assert json.loads((tmp_path / 'run' / 'results.json').read_text())[
+      'steps'] == 20
+
+
+@needs_multi30k
+def test_a_full_disk_while_preparing_is_one_line_and_the_rerun_finishes(
+    data_slice, tmp_path):
+  # [disk_full_preparing] No room for the vocabulary: one line, exit code
+  # 1; with room, the same command finishes the preparation and trains.
+  args = [*tiny_translation_flags(train_steps=1, log_every=1, eval_every=100,
+                                  average_last=0), f'--data_dir={data_slice}']
+  with _small_disk(tmp_path / 'disk', 200) as small:
+    full = _train(*args, f'--workdir={small / "run"}')
+    _last_line_error(full, 1, 'train.py: error: no space left on the disk of '
+                     f'{small / "run"}', 'free some and run the same command '
+                     'again: the preparation goes on where it stopped.')
+    assert not (small / 'run' / 'spm.model').exists()
+    shutil.copytree(small / 'run', tmp_path / 'run')
+  again = _train(*args, f'--workdir={tmp_path / "run"}')
+  assert again.returncode == 0, again.stderr.decode()[-3000:]
+  assert 'finishing the preparation that was interrupted' in (
+      again.stdout.decode())

@@ -110,13 +110,21 @@ def local_split_files(directory: str, languages: tuple[str, str]) -> dict[
 
 
 def file_stats(files: dict[str, tuple[str, str]]) -> dict[str, list[int]]:
-  """{file name: [size, modification time in ns]}: a cheap sign that files
-  are unchanged since they were read (recorded when a run prepares them)."""
+  """{file name: [size, modification time, inode, change time]}: a cheap
+  sign that files are unchanged since they were read (recorded when a run
+  prepares them).
+
+  Size and modification time alone miss an edit that keeps both (`cp -p`,
+  `rsync -a`, `tar x` and `touch -r` set the modification time back); the
+  change time cannot be set back, and a file replaced by another has
+  another inode. Where any differs the contents are read and compared.
+  """
   stats = {}
   for paths in files.values():
     for path in paths:
       status = os.stat(path)
-      stats[os.path.basename(path)] = [status.st_size, status.st_mtime_ns]
+      stats[os.path.basename(path)] = [status.st_size, status.st_mtime_ns,
+                                       status.st_ino, status.st_ctime_ns]
   return stats
 
 

@@ -12,6 +12,7 @@ from typing import Iterable
 import numpy as np
 import sentencepiece as spm
 
+from flaxformer_mini import disk
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data import DataError, tokenized
 
@@ -79,7 +80,22 @@ def train_tokenizer(sentences: Iterable[str], path: str,
         f'SentencePiece can make of this training text (at most '
         f'{most.group(1)}); lower --src_vocab_size and --tgt_vocab_size.'
     ) from None
-  return load_tokenizer(path)
+  try:
+    return load_tokenizer(path)
+  except DataError:
+    # SentencePiece writes a model cut short on a full disk without a word:
+    # remove it, so that the next run trains it again.
+    for suffix in ('.model', '.vocab'):
+      if os.path.exists(path + suffix):
+        os.remove(path + suffix)
+    folder = os.path.dirname(os.path.abspath(path))
+    if disk.free_bytes(folder) < 1 << 20:
+      raise disk.DiskFull(
+          f'no space left on the disk of {folder} (while writing the '
+          'vocabulary); free some and run the same command again: the '
+          'preparation goes on where it stopped.') from None
+    raise DataError(f'{path}.model was written cut short; run the same '
+                    'command again to train it anew.') from None
 
 
 def load_tokenizer(path: str) -> spm.SentencePieceProcessor:

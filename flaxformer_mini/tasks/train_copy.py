@@ -117,12 +117,10 @@ def run(config: TransformerConfig, workdir_path: str, fresh: bool = False,
       return match, _perfect_streak(matches) >= PERFECT_IN_A_ROW
 
     shard = (jax.process_index(), jax.process_count())
-    try:
+    with training.closing('copy task'):
       state, history = training.train(
           lambda step: copy_task.train_batch(config, step, shard), evaluate,
           signals)
-    finally:
-      training.close('copy task')
     signals.when = 'during the final evaluation'
     # Draw 0 is never used during training: the final score is on unseen data.
     match, sources, decoded = exact_match(state.params, config, decode_fn, 0,

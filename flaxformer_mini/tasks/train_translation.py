@@ -206,11 +206,10 @@ def run(config: TransformerConfig, workdir_path: str,
     evaluator = _Evaluator(config, training, tokenizer, data.texts,
                            batches.held_out, start_time)
     shard = (jax.process_index(), jax.process_count())
-    try:
+    with training.closing(
+        f'{config.src_lang} -> {config.tgt_lang} translation'):
       state, history = training.train(
           lambda step: batches.train.batch_at(step, shard), evaluator, signals)
-    finally:
-      training.close(f'{config.src_lang} -> {config.tgt_lang} translation')
     # Average and choose; score.
     signals.when = 'during the final evaluation'
     final = _average_and_choose(config, workdir, state, evaluator)
