@@ -175,19 +175,26 @@ def _tour(args, config) -> None:
 
 def main(argv: list[str]) -> None:
   args, config = parse(argv)
-  compilation_cache.use(args.compilation_cache)
-  # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import checkpoints, disk, loop, parallel, run, workdir
-  from flaxformer_mini.data import DataError
   path = args.workdir or os.path.join('runs', args.task)
+  multi = args.multihost or args.coordinator_address
+  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import multihost
+  if multi and not os.environ.get(multihost.SUPERVISED):
+    sys.exit(multihost.supervise(
+        [os.path.abspath(__file__), *argv],
+        lambda said: _unjoined_line(args.multihost_timeout)
+        if multihost.never_joined(said) else _lost_peer_line(
+            path, said, args.process_id, args.num_processes)))
+  compilation_cache.use(args.compilation_cache)
+  from flaxformer_mini import checkpoints, disk, loop, run, workdir
+  from flaxformer_mini.data import DataError
   try:
     if args.tour:
       _tour(args, config)
       return
-    if args.multihost or args.coordinator_address:
-      parallel.initialize_multihost(args.coordinator_address,
-                                    args.num_processes, args.process_id,
-                                    args.multihost_timeout)
+    if multi:
+      multihost.initialize(args.coordinator_address, args.num_processes,
+                           args.process_id, args.multihost_timeout)
     task, data = TASKS[args.task], {}
     if task.reads_text:
       if missing := cli.missing_translation_extras():
@@ -198,7 +205,7 @@ def main(argv: list[str]) -> None:
   except config_lib.ConfigError as e:
     build_parser().error(f'--{e}')
   except (checkpoints.CheckpointError, DataError, workdir.WorkdirError,
-          parallel.MultihostError, disk.DiskFull) as e:
+          multihost.MultihostError, disk.DiskFull) as e:
     sys.exit(f'train.py: error: {e}')
   except run.NothingToTrain as e:
     print(f'train.py: {e}')
@@ -208,12 +215,47 @@ def main(argv: list[str]) -> None:
     print(f'train.py: {e}', file=sys.stderr)
     sys.exit(128 + e.signum)
   except Exception as e:  # pylint: disable=broad-except
+    if multihost.lost_peer(e):
+      _stop_for_lost_peer(path, str(e))
     if not disk.is_full(e):
       raise
     # Any other writer (the data's preparation, results.json, ...).
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     sys.exit(f'train.py: error: no space left on the disk of {path} '
              f'({first}); free some and run the same command again.')
+
+
+def _unjoined_line(timeout: int) -> str:
+  """The one line of a multi-host run's process whose peers never came."""
+  return ('train.py: error: the other processes of this multi-host run did '
+          f'not join within --multihost_timeout={timeout} s '
+          '(DEADLINE_EXCEEDED); start every process (the same command, each '
+          'with its own --process_id), or raise --multihost_timeout.')
+
+
+def _lost_peer_line(path: str, detail: str, me: int | None,
+                    count: int | None) -> str:
+  """The one line of a multi-host run's process whose peer stopped."""
+  # pylint: disable-next=g-import-not-at-top
+  from flaxformer_mini import checkpoints, multihost
+  steps = checkpoints.intact_steps(os.path.join(path, 'checkpoints'))
+  last = (f'the last checkpoint is step {steps[-1]}' if steps else
+          'no checkpoint was saved yet')
+  first = (detail.strip().splitlines() or ['lost'])[0][:160]
+  this = 'this process' if me is None else f'process {me}'
+  return (f'train.py: error: {multihost.stopped_process(detail, me, count)} '
+          f'of this multi-host run stopped ({first}), so {this} stops too; '
+          f'{last}: start every process again with the same command.')
+
+
+def _stop_for_lost_peer(path: str, detail: str) -> None:
+  """A failed collective: one line, then the end of this process at once
+  (JAX's exit would wait for the lost process at its shutdown barrier)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  line = _lost_peer_line(path, detail, jax.process_index(),
+                         jax.process_count())
+  os.write(sys.stderr.fileno(), f'\n{line}\n'.encode())
+  os._exit(1)  # pylint: disable=protected-access
 
 
 if __name__ == '__main__':

@@ -220,10 +220,7 @@ class Checkpoints:
           f'{free / 2**20:.1f} MB are free')
 
   def _disk_full(self, why: str) -> disk.DiskFull:
-    # Complete steps are plain numbers; orbax renames a step's temporary
-    # folder to its number once the step is whole.
-    intact = [int(name) for name in os.listdir(self.directory)
-              if name.isdigit()]
+    intact = intact_steps(self.directory)
     return disk.DiskFull(
         f'no space left on the disk of {self.directory} ({why}); free some '
         'and run the same command again: ' +
@@ -374,6 +371,17 @@ class Checkpoints:
   def close(self) -> None:
     with self._disk_full_as_one_error():
       self.manager.close()
+
+
+def intact_steps(directory: str) -> list[int]:
+  """The complete steps in a folder of checkpoints, oldest first, read from
+  the folder alone (no orbax manager: safe in a run that is failing).
+
+  orbax renames a step's temporary folder to its number once it is whole.
+  """
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def saved_config(meta: dict) -> TransformerConfig:

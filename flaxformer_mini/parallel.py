@@ -7,16 +7,14 @@ replicated over the mesh and the batch one split along 'data', which is also
 what multi-host runs and orbax checkpoints need, so nothing converts between
 them. Each device gets batch_size / num_devices rows; gradients and metric
 sums are psum-ed over 'data', so 8 devices compute the update of the same
-global batch as 1 device. In a multi-host run every process holds
-batch_size / num_processes rows of the global batch (its own shard of the
-data). The classic `jax.pmap` version of the same, for comparison, is in
-docs/parallel.md.
+global batch as 1 device. In a multi-host run (multihost.py joins it) every
+process holds batch_size / num_processes rows of the global batch (its own
+shard of the data). The classic `jax.pmap` version of the same, for
+comparison, is in docs/parallel.md.
 """
 
 import dataclasses
 import functools
-import socket
-import time
 
 import jax
 import numpy as np
@@ -28,64 +26,6 @@ from flaxformer_mini.masks import Batch
 from flaxformer_mini.training import eval_step, train_step
 
 DATA_AXIS = 'data'
-
-
-class MultihostError(RuntimeError):
-  """This process could not join a multi-host run; the message says why."""
-
-
-def initialize_multihost(coordinator_address: str | None = None,
-                         num_processes: int | None = None,
-                         process_id: int | None = None,
-                         timeout_s: int = 300) -> None:
-  """Joins JAX's multi-controller runtime (one process per host).
-
-  On Cloud TPU pods and SLURM/Kubernetes GPU clusters JAX finds the other
-  processes itself; elsewhere pass the coordinator's host:port, the number of
-  processes and this process's index. Waits at most `timeout_s` for all of
-  them: a process other than the coordinator first waits for the
-  coordinator's port to open (a clear error if it never does); the
-  coordinator waits for the others inside JAX, which ends the process with
-  DEADLINE_EXCEEDED if they do not come.
-
-  Raises:
-    MultihostError: no cluster was found, or no coordinator answered.
-  """
-  if coordinator_address:
-    print(f'joining {num_processes} processes at {coordinator_address} as '
-          f'process {process_id}; waiting up to {timeout_s} s for all of '
-          'them to start', flush=True)
-    if process_id:
-      _wait_for_port(coordinator_address, timeout_s)
-  try:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes,
-                               process_id=process_id,
-                               initialization_timeout=timeout_s)
-  except (ValueError, RuntimeError) as e:
-    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    raise MultihostError(
-        f'could not join a multi-host run ({first_line[:200]}). On a '
-        'cluster JAX detects (Cloud TPU, SLURM, Kubernetes) start one process '
-        'per host; elsewhere give --coordinator_address, --num_processes and '
-        '--process_id, and start every process.') from None
-
-
-def _wait_for_port(address: str, timeout_s: int) -> None:
-  """Returns once host:port accepts a connection; MultihostError after timeout_s."""
-  host, _, port = address.rpartition(':')
-  deadline = time.monotonic() + timeout_s
-  while True:
-    try:
-      with socket.create_connection((host, int(port)), timeout=5):
-        return
-    except OSError:
-      if time.monotonic() > deadline:
-        raise MultihostError(
-            f'no coordinator answered at {address} within {timeout_s} s: '
-            'start process 0 there first (or check --coordinator_address).'
-        ) from None
-      time.sleep(1)
 
 
 def data_mesh() -> Mesh:
@@ -115,10 +55,11 @@ def check_divisible(rows: int, config: TransformerConfig,
   multiple = rows_per_update(config)
   if rows % multiple:
     nearest = max(multiple, round(rows / multiple) * multiple)
-    raise ConfigError(
-        f'{what}={rows} does not divide over {jax.device_count()} device(s) '
-        f'x {config.grad_accumulation} micro-batch(es) (grad_accumulation); '
-        f'use a multiple of {multiple}, e.g. {nearest}.')
+    over = f'{jax.device_count()} devices' + (
+        f' x {config.grad_accumulation} micro-batches (grad_accumulation)'
+        if config.grad_accumulation > 1 else '')
+    raise ConfigError(f'{what}={rows} does not divide over {over}; use a '
+                      f'multiple of {multiple}, e.g. {nearest}.')
 
 
 def pad_rows(array: np.ndarray, multiple: int, pad_id: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from flaxformer_mini import disk, logbook, loop, plots
+from flaxformer_mini import disk, logbook, loop, multihost, plots
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.checkpoints import (CheckpointError, Checkpoints,
                                          config_differences)
@@ -127,6 +127,8 @@ class TrainingRun:
     try:
       yield self
     except BaseException as e:
+      if multihost.lost_peer(e):
+        raise  # the process ends at once: a save may wait for the lost one
       if not disk.is_full(e):
         self.close(title)
         raise

@@ -71,8 +71,8 @@ def test_task_fields_are_checked_by_their_task_only():
     train_translation.check_config(config_lib.get_config('translate').replace(
         tokens_per_batch=1000, grad_accumulation=8))
   with pytest.raises(config_lib.ConfigError, match=(
-      r'^batch_size=64 does not divide over 1 device\(s\) x 3 micro-batch'
-      r'\(es\) \(grad_accumulation\); use a multiple of 3, e.g. 63.$')):
+      r'^batch_size=64 does not divide over 1 devices x 3 micro-batches '
+      r'\(grad_accumulation\); use a multiple of 3, e.g. 63.$')):
     train_copy.check_config(config_lib.get_config('copy').replace(
         batch_size=64, grad_accumulation=3))
   # One value suggested, never 'e.g. 256 or 256'.

@@ -153,11 +153,15 @@ def test_a_multihost_run_without_its_peers_says_what_it_waits_for():
   assert 'waiting up to 3 s for all of them' in peer.stdout.decode()
   _one_line_error(peer, 1, f'no coordinator answered at localhost:{port} '
                   'within 3 s')
-  # The coordinator alone: JAX ends it once the others are late.
+  # The coordinator alone: JAX ends it once the others are late, and the
+  # line says so (not JAX's fatal error and its C++ stack trace).
   coordinator = _train(*flags, '--process_id=0')
   assert 'joining 2 processes' in coordinator.stdout.decode()
-  assert coordinator.returncode != 0
-  assert 'DEADLINE_EXCEEDED' in coordinator.stderr.decode()
+  _one_line_error(coordinator, 1, 'train.py: error: the other processes of '
+                  'this multi-host run did not join within '
+                  '--multihost_timeout=3 s (DEADLINE_EXCEEDED); start every '
+                  'process (the same command, each with its own '
+                  '--process_id), or raise --multihost_timeout.')
   assert time.perf_counter() - start < 120
 
 
@@ -1032,3 +1036,89 @@ def test_a_full_disk_while_preparing_is_one_line_and_the_rerun_finishes(
   assert again.returncode == 0, again.stderr.decode()[-3000:]
   assert 'finishing the preparation that was interrupted' in (
       again.stdout.decode())
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def _processes(*flags, count: int = 2) -> list[subprocess.Popen]:
+  """train.py started as every process of a multi-host run on this machine
+  (one CPU device each)."""
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  return [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), *flags,
+       f'--coordinator_address=localhost:{port}', f'--num_processes={count}',
+       f'--process_id={index}'], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE) for index in range(count)]
+
+
+def _no_runtime_noise(err: str) -> None:
+  for noise in ('Traceback', 'Check failure', 'Gloo context', 'F1', 'E1'):
+    assert noise not in err, err[-3000:]
+
+
+@pytest.mark.parametrize('lost', [1, 0])
+def test_a_multihost_run_whose_peer_dies_ends_in_one_line(tmp_path, lost):
+  # [multihost_peer_killed] The other process ends at once (not after
+  # JAX's shutdown barrier times out, about 80 s), in one line that names the
+  # process that stopped, the last checkpoint and what to do; no Gloo error
+  # and no C++ stack trace. Process 0 (which holds JAX's coordination
+  # service) or another.
+  workers = _processes('--task=copy', '--config=toy', f'--workdir={tmp_path}',
+                       '--train_steps=100000', '--eval_every=100000',
+                       '--checkpoint_every=20', '--log_every=10')
+  try:
+    deadline = time.time() + 300
+    while not (tmp_path / 'checkpoints' / '40').exists():
+      assert time.time() < deadline and all(w.poll() is None for w in workers)
+      time.sleep(0.2)
+    workers[lost].kill()  # as a machine lost: SIGKILL, no last word
+    killed = time.perf_counter()
+    survivor = workers[1 - lost]
+    _, err = survivor.communicate(timeout=120)
+  finally:
+    for worker in workers:
+      worker.kill()
+  assert time.perf_counter() - killed < 30
+  err = err.decode()
+  assert survivor.returncode == 1, err[-3000:]
+  _no_runtime_noise(err)
+  last = err.strip().splitlines()[-1]
+  step = max(int(name) for name in os.listdir(tmp_path / 'checkpoints')
+             if name.isdigit())
+  assert last.startswith(f'train.py: error: process {lost} of this '
+                         'multi-host run stopped ('), last
+  assert last.endswith(f'), so process {1 - lost} stops too; the last '
+                       f'checkpoint is step {step}: start every process '
+                       'again with the same command.'), last
+
+
+@needs_multi30k
+def test_process_0_refusing_its_data_ends_every_process_in_one_line(
+    data_slice, tmp_path):
+  # [multihost_prepare_error] Process 0 refuses the data (one line); the
+  # other, waiting for its preparation, says so in one line at once, not a
+  # DEADLINE_EXCEEDED traceback 30 s later.
+  data = tmp_path / 'data'
+  shutil.copytree(data_slice, data)
+  (data / 'val.en').write_text('one line only\n')
+  started = time.perf_counter()
+  workers = _processes(*tiny_translation_flags(), f'--data_dir={data}',
+                       f'--workdir={tmp_path / "run"}')
+  outputs = [w.communicate(timeout=300) for w in workers]
+  assert time.perf_counter() - started < 120
+  errs = [err.decode() for _, err in outputs]
+  for worker, err in zip(workers, errs):
+    assert worker.returncode == 1, err[-3000:]
+    _no_runtime_noise(err)
+  refusal = errs[0].strip().splitlines()[-1]
+  assert refusal.startswith('train.py: error: ') and 'val.en' in refusal
+  assert errs[1].strip().splitlines()[-1] == (
+      'train.py: error: process 0 stopped while preparing the data ('
+      f'{refusal.removeprefix("train.py: error: ")[:300]}); see its log, '
+      'mend that, and start every process again with the same command.')

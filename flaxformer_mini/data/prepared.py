@@ -20,9 +20,8 @@ import os
 
 import jax
 import tqdm
-from jax.experimental import multihost_utils
 
-from flaxformer_mini import disk
+from flaxformer_mini import disk, multihost
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.data import DataError, parallel_text, tokenized
@@ -251,14 +250,11 @@ def prepare(config: TransformerConfig, workdir: Workdir, source: Source,
       `fresh`).
     disk.DiskFull: the disk filled up; the same command, with room, goes on
       where the preparation stopped.
+    multihost.MultihostError: another process failed to prepare it.
   """
-  data = None
-  for turn in ('process 0', 'the other processes'):
-    if (jax.process_index() == 0) == (turn == 'process 0'):
-      data = _prepare_here_or_say_the_disk_is_full(
-          config, workdir, source, fresh and jax.process_index() == 0)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f'data prepared by {turn}')
-  return data
+  return multihost.process_0_first(
+      lambda: _prepare_here_or_say_the_disk_is_full(
+          config, workdir, source, fresh and jax.process_index() == 0),
+      'preparing the data')
 
 
