@@ -17,22 +17,8 @@ def _full_logits(cfg, params, src, tgt_in):
       target_mask(tgt_in, cfg.pad_id))
 
 
-@pytest.mark.parametrize('pre_norm', [False, True])
-def test_cached_decoding_equals_the_full_forward_pass(toy_model, pre_norm):
-  cfg, _, src = toy_model
-  cfg = cfg.replace(pre_norm=pre_norm)
-  params = init_params(cfg, jax.random.key(8))
-  tgt_in = jnp.asarray(np.random.default_rng(2).integers(
-      3, cfg.tgt_vocab_size, size=(4, 7)), jnp.int32).at[:, 0].set(cfg.bos_id)
-  full = _full_logits(cfg, params, src, tgt_in)
-  src_mask = padding_mask(src, cfg.pad_id)
-  encoded = Transformer(cfg).apply({'params': params}, src, src_mask,
-                                   method=Transformer.encode)
-  step = decoding.transformer_tokens_to_logits(params, cfg, encoded, src_mask)
-  cache = decoding.init_cache(cfg, 4, max_len=7)
-  for t in range(7):
-    logits, cache = step(tgt_in[:, t:t + 1], cache)
-    np.testing.assert_allclose(logits, full[:, t], rtol=1e-5, atol=1e-5)
+# Cached decoding equals the full forward pass for every switch of the
+# config: test_switches.py.
 
 
 def test_the_encoder_output_is_projected_once_not_at_every_step(toy_model):

@@ -53,30 +53,8 @@ def leak_setup(toy_config):
   return cfg, params, make_batch(src, tgt, cfg)
 
 
-def test_changing_target_token_t_changes_no_logit_before_t(leak_setup):
-  cfg, params, batch = leak_setup
-  base = np.asarray(_forward(cfg, params, batch))
-  length = batch.tgt_in.shape[1]
-  for t in range(1, length):
-    changed_in = jnp.asarray(batch.tgt_in).at[:, t].set(
-        jnp.where(batch.tgt_in[:, t] == 3, 4, 3))
-    changed = np.asarray(_forward(cfg, params, batch.replace(tgt_in=changed_in)))
-    np.testing.assert_array_equal(changed[:, :t], base[:, :t])
-    assert not np.allclose(changed[:, t:], base[:, t:])  # the test can fail
-
-
-def test_tokens_at_padded_source_positions_change_nothing(leak_setup):
-  cfg, params, batch = leak_setup
-  base = np.asarray(_forward(cfg, params, batch))
-  # Same masks, different ids where the source is padding.
-  changed_src = jnp.asarray(batch.src).at[1, 4:].set(5)
-  changed = np.asarray(_forward(cfg, params, batch.replace(src=changed_src)))
-  np.testing.assert_array_equal(changed, base)
-  # ... while a real source token does change the output.
-  changed_src = jnp.asarray(batch.src).at[1, 0].set(
-      jnp.where(batch.src[1, 0] == 3, 4, 3))
-  assert not np.allclose(
-      _forward(cfg, params, batch.replace(src=changed_src)), base)
+# That no future target token and no source pad reaches a logit is proven
+# for every switch of the config in test_switches.py.
 
 
 def test_weight_tying_switches(toy_config):
