@@ -158,7 +158,7 @@ def default_max_len(config: TransformerConfig, src_len: int) -> int:
 
 def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
-                n_best: int = 1,
+                n_best: int = 1, finished_first: bool = True,
                 on_step: Callable[[BeamState], None] | None = None
                 ) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.
@@ -173,7 +173,8 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
     params: the model parameters.
     src: int32[batch, src_len], pad-filled source ids.
     config: the model's config.
-    beam_size, alpha, max_len, n_best, on_step: see `beam_search`.
+    beam_size, alpha, max_len, n_best, finished_first, on_step: see
+      `beam_search`.
     Under jax.jit, config, beam_size, alpha, max_len and n_best are static.
 
   Returns:
@@ -188,7 +189,7 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
-      on_step=on_step)
+      finished_first=finished_first, on_step=on_step)
 
 
 # The translation of many sentences: the translate command and evaluations.
@@ -205,7 +206,8 @@ def _start_beams(config: TransformerConfig, batch_size: int, beam_size: int,
 
 
 def _run_beams(params, src, state: BeamState, config: TransformerConfig,
-               alpha: float, until_searching: int) -> BeamState:
+               alpha: float, until_searching: int,
+               finished_first: bool) -> BeamState:
   """`run_beam_search` with Transformer(config) on the sources src, one row
   per item of `state` (after `take_items`, the sources of the items kept).
   The encoder runs on src again, once per stage: one pass, cheap next to the
@@ -216,15 +218,15 @@ def _run_beams(params, src, state: BeamState, config: TransformerConfig,
   return run_beam_search(
       tokens_to_logits, state, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id,
-      until_searching=until_searching)
+      until_searching=until_searching, finished_first=finished_first)
 
 
 # One jitted program per shape for the process: a later call (the next
 # evaluation, the next input) with the same shapes reuses the compiled one.
 _jit_greedy = jax.jit(greedy_decode, static_argnames=('config', 'max_len'))
 _jit_start_beams = jax.jit(_start_beams, static_argnums=(0, 1, 2, 3))
-_jit_run_beams = jax.jit(_run_beams, static_argnames=('config', 'alpha',
-                                                      'until_searching'))
+_jit_run_beams = jax.jit(_run_beams, static_argnames=(
+    'config', 'alpha', 'until_searching', 'finished_first'))
 _jit_take_items = jax.jit(take_items)
 
 
@@ -275,7 +277,7 @@ def _next_rows(rows: int) -> int:
 
 def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                            beam_size: int, alpha: float, max_len: int,
-                           shrink: bool = True) -> np.ndarray:
+                           shrink: bool, finished_first: bool) -> np.ndarray:
   """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
 
   One beam search in stages: once no more than a quarter of its items are
@@ -290,7 +292,7 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
   while True:
     rows = _next_rows(len(owner)) if shrink else 0
     state = _jit_run_beams(params, src[owner], state, config, alpha,
-                           until_searching=rows)
+                           until_searching=rows, finished_first=finished_first)
     finished = np.asarray(state.finished_sequences[:, 0, 1:])
     ended = np.asarray(state.done) | (int(state.step) >= max_len) | (rows == 0)
     best[owner[ended]] = finished[ended]
@@ -305,8 +307,8 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
 
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
                   beam_size: int = 4, alpha: float = 0.6,
-                  batch_size: int = 64,
-                  shrink_batches: bool = True) -> list[list[int]]:
+                  batch_size: int = 64, shrink_batches: bool = True,
+                  finished_first: bool = True) -> list[list[int]]:
   """The best translation of each source (token ids, no eos), in order.
 
   Sources are sorted by length into batches of `batch_size`, so that the
@@ -317,7 +319,7 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   compiled, for a second program per batch shape. Source lengths are rounded
   up to multiples of 16 to bound the number of shapes, hence of programs to
   compile (padding costs the search little: its step is the output layer's
-  product). beam_size 1 is greedy search.
+  product). beam_size 1 is greedy search; finished_first: see `beam_search`.
   An empty source gives an empty translation; sources longer than
   config.max_len - 1 are cut there.
   """
@@ -344,7 +346,7 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
       best = np.asarray(_jit_greedy(params, src, config, max_len))
     else:
       best = _beam_search_in_stages(params, src, config, beam_size, alpha,
-                                    max_len, shrink_batches)
+                                    max_len, shrink_batches, finished_first)
     for row, i in enumerate(members):
       outputs[i] = tokens_before_eos(best[row], config.eos_id, config.pad_id)
   return outputs
@@ -352,7 +354,8 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
 
 def translate_lines(params, config: TransformerConfig, tokenizer,
                     lines: list[str], beam_size: int = 4, alpha: float = 0.6,
-                    batch_size: int = 64, warn=None) -> list[str]:
+                    batch_size: int = 64, warn=None,
+                    finished_first: bool = True) -> list[str]:
   """Translations of `lines`, in order; '' for an empty line.
 
   Sources longer than config.max_len - 1 tokens are cut there and reported
@@ -364,4 +367,5 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
     if len(ids) > config.max_len - 1 and warn is not None:
       warn(number, len(ids))
   return [tokenizer.decode(ids) for ids in translate_ids(
-      params, config, encoded, beam_size, alpha, batch_size)]
+      params, config, encoded, beam_size, alpha, batch_size,
+      finished_first=finished_first)]

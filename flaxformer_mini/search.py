@@ -143,6 +143,7 @@ def _gather_cache(cache, beam_indices):
 def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                 beam_size: int, max_len: int, alpha: float, bos_id: int,
                 eos_id: int, pad_id: int, n_best: int = 1,
+                finished_first: bool = True,
                 on_step: Callable[[BeamState], None] | None = None
                 ) -> BeamSearchResult:
   """Beam search with a live and a finished pool, all in one lax.while_loop.
@@ -152,7 +153,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   live pool: the best beam_size candidates without eos stay live, and the eos
   candidates among the best beam_size enter the finished pool with score
   log p / length_penalty(length). On the last step the live hypotheses enter
-  the finished pool too, flagged `reached_eos=False`, with the same scoring.
+  the finished pool too, flagged `reached_eos=False`, with the same scoring;
+  by default (finished_first) they rank below every hypothesis that reached
+  eos, as in the Flax WMT example and T5X.
   An item is done once no live hypothesis can still beat its worst finished
   one (see `_cannot_improve`); the loop stops when every item of the batch is
   done (or at max_len), so a batch runs as long as its slowest item.
@@ -174,6 +177,10 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
     alpha: length-penalty exponent (0 = raw log-probabilities).
     bos_id, eos_id, pad_id: first input token, end token, filler after eos.
     n_best: how many finished hypotheses to return per item (<= beam_size).
+    finished_first: True: a hypothesis that reached eos outranks every one
+      cut at max_len, so a cut one is returned only where fewer than n_best
+      reached eos (the Flax WMT example's and T5X's rule). False: both kinds
+      are ranked by score alone, so a cut hypothesis may come first.
     on_step: for watching the search, e.g. in the notebook: called on the
       host (jax.debug.callback) after every step with that step's BeamState
       (its cache left out). None costs nothing.
@@ -186,7 +193,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   state = start_beam_search(cache, batch_size=batch_size, beam_size=beam_size,
                             max_len=max_len, bos_id=bos_id, pad_id=pad_id)
   state = run_beam_search(tokens_to_logits, state, alpha=alpha, bos_id=bos_id,
-                          eos_id=eos_id, pad_id=pad_id, on_step=on_step)
+                          eos_id=eos_id, pad_id=pad_id,
+                          finished_first=finished_first, on_step=on_step)
   return beam_search_result(state, n_best)
 
 
@@ -220,7 +228,7 @@ def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
 
 def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
                     alpha: float, bos_id: int, eos_id: int, pad_id: int,
-                    until_searching: int = 0,
+                    until_searching: int = 0, finished_first: bool = True,
                     on_step: Callable[[BeamState], None] | None = None
                     ) -> BeamState:
   """Beam search steps from `state` until no item is still searching.
@@ -230,7 +238,8 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
   stops early can keep the items still searching (`take_items`, with the
   tokens_to_logits of those items) and run on with fewer rows, so that items
   that end early stop paying for the slowest one; each item's search never
-  looks at another's, so its result is the same either way.
+  looks at another's, so its result is the same either way. alpha,
+  finished_first and on_step: see `beam_search`.
 
   Returns the BeamState after the last step taken.
   """
@@ -272,7 +281,7 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
 
     new_state = _update_finished(
         state, top_sequences, jnp.where(is_eos, top_log_probs, -jnp.inf),
-        live_sequences, live_log_probs, alpha).replace(
+        live_sequences, live_log_probs, alpha, finished_first).replace(
             step=step + 1, live_sequences=live_sequences,
             live_log_probs=live_log_probs, cache=cache)
     if on_step is not None:
@@ -283,11 +292,12 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
 
 
 def _update_finished(state: BeamState, top_sequences, eos_log_probs,
-                     live_sequences, live_log_probs, alpha: float
-                     ) -> BeamState:
+                     live_sequences, live_log_probs, alpha: float,
+                     finished_first: bool) -> BeamState:
   """The finished pool after one step: its old members, the eos candidates
   that made the top `beams`, and on the last step every live hypothesis (no
-  eos); the best `beams` of them, best first, and which items are done.
+  eos); the best `beams` of them, best first (with finished_first, those
+  that reached eos before those cut), and which items are done.
 
   top_sequences: int32[batch, 2 * beams, max_len + 1], the step's best
   candidates; eos_log_probs: float32[batch, 2 * beams], their log p where
@@ -313,7 +323,8 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
       [state.finished_eos, jnp.ones((batch, 2 * beams), bool),
        jnp.zeros((batch, beams), bool)], axis=1)
   # --> [batch, beams]: the best of them, best first
-  finished_scores, picks = jax.lax.top_k(pool_scores, beams)
+  picks = _rank(pool_scores, pool_eos, finished_first)[:, :beams]
+  finished_scores = _gather_beams(pool_scores, picks)
   return state.replace(
       finished_sequences=_gather_beams(pool_sequences, picks),
       finished_scores=finished_scores,
@@ -321,6 +332,23 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
       finished_eos=_gather_beams(pool_eos, picks),
       done=_cannot_improve(live_log_probs[:, 0], finished_scores[:, -1],
                            length, state.max_len, alpha))
+
+
+def _rank(scores, reached_eos, finished_first: bool):
+  """Indices that order each row best first: float32[batch, n] scores,
+  bool[batch, n] reached_eos -> int32[batch, n].
+
+  By score, ties to the lower index (as lax.top_k); with finished_first,
+  every hypothesis that reached eos first. An empty slot (score -inf) never
+  counts as having reached eos.
+  """
+  first = (reached_eos & (scores > -jnp.inf) if finished_first
+           else jnp.ones_like(reached_eos))
+  indices = jnp.broadcast_to(jnp.arange(scores.shape[1], dtype=jnp.int32),
+                             scores.shape)
+  *_, order = jax.lax.sort((~first, -scores, indices), num_keys=2,
+                           is_stable=True)
+  return order
 
 
 def take_items(state: BeamState, items) -> BeamState:

@@ -74,11 +74,13 @@ def test_hypotheses_end_at_eos_are_padded_after_it_and_respect_max_len(toy_model
       assert length == 7
 
 
-def _score_exhaustively(cfg, params, src, max_len, alpha):
-  """Every output sequence of one source, scored by the full model.
+def _score_exhaustively(cfg, params, src, max_len, alpha, finished_first):
+  """Every output sequence of one source, scored by the full model, best first.
 
   Sequences are eos-terminated of length <= max_len, or of length max_len
-  without eos; tokens are anything but pad and bos. Returns [(score, tokens)].
+  without eos (cut); tokens are anything but pad and bos. Ranked by
+  (reached eos, score) with finished_first, by score alone without.
+  Returns [(reached_eos, score, tokens)].
   """
   ordinary = [t for t in range(cfg.tgt_vocab_size)
               if t not in (cfg.pad_id, cfg.bos_id, cfg.eos_id)]
@@ -103,32 +105,45 @@ def _score_exhaustively(cfg, params, src, max_len, alpha):
   totals = np.sum(np.where(tgt_out != cfg.pad_id, token_log_probs, 0.0), -1)
   lengths = np.array([len(tokens) for tokens in candidates])
   scores = totals / ((5.0 + lengths) / 6.0)**alpha
-  return sorted(zip(scores, candidates), key=lambda pair: -pair[0])
+  ranked = [(tokens[-1] == cfg.eos_id, float(score), tokens)
+            for score, tokens in zip(scores, candidates)]
+  return sorted(ranked, key=lambda r: (-r[0] if finished_first else 0, -r[1]))
 
 
+@pytest.mark.parametrize('finished_first', [True, False])
 @pytest.mark.parametrize('alpha', [-0.5, 0.0, 0.6, 2.0])
-def test_enough_beams_find_the_exhaustive_best(toy_config, alpha):
+def test_enough_beams_find_the_exhaustive_best(toy_config, alpha,
+                                               finished_first):
+  # Under each ranking rule: finished_first (the default: every hypothesis
+  # that reached eos before any cut at max_len) and by score alone.
   # 4 ordinary tokens + eos, 3 positions: 85 candidate sequences per source.
   cfg = toy_config.replace(src_vocab_size=7, tgt_vocab_size=7)
   params = init_params(cfg, jax.random.key(5))
   src = jnp.array([[3, 4, 5], [6, 5, cfg.pad_id]], jnp.int32)
   max_len, n_best = 3, 5
   # 16 live prefixes x 5 tokens = 80 candidates: 80 beams see them all.
-  wide = decoding.beam_decode(params, src, cfg, beam_size=80, alpha=alpha,
-                              max_len=max_len, n_best=n_best)
-  narrow = decoding.beam_decode(params, src, cfg, beam_size=2, alpha=alpha,
-                                max_len=max_len)
+  wide, narrow = (decoding.beam_decode(
+      params, src, cfg, beam_size=beams, alpha=alpha, max_len=max_len,
+      n_best=n, finished_first=finished_first)
+                  for beams, n in ((80, n_best), (2, 1)))
   for b in range(2):
-    truth = _score_exhaustively(cfg, params, src[b], max_len, alpha)
+    truth = _score_exhaustively(cfg, params, src[b], max_len, alpha,
+                                finished_first)
     for k in range(n_best):
-      score, tokens = truth[k]
+      reached_eos, score, tokens = truth[k]
       np.testing.assert_allclose(wide.scores[b, k], score, rtol=1e-4)
+      assert bool(wide.reached_eos[b, k]) == reached_eos
       length = int(wide.lengths[b, k])
       assert tuple(np.asarray(wide.sequences[b, k, :length])) == tokens
-    assert float(narrow.scores[b, 0]) <= truth[0][0] + 1e-5
+    # The narrow search's best never outranks the exhaustive best.
+    best = (bool(narrow.reached_eos[b, 0]), float(narrow.scores[b, 0]))
+    if finished_first:
+      assert best <= (truth[0][0], truth[0][1] + 1e-5)
+    else:
+      assert best[1] <= truth[0][1] + 1e-5
 
 
-def _markov_search(alpha, beam_size, max_len=4):
+def _markov_search(alpha, beam_size, max_len=4, **options):
   """A hand-made Markov chain over pad, bos, eos, a, b (as in T5X's tests).
 
   From bos: eos 0.45, a 0.5, b 0.05. From a: eos 0.7, a 0.2, b 0.1.
@@ -150,7 +165,8 @@ def _markov_search(alpha, beam_size, max_len=4):
 
   return search.beam_search(
       tokens_to_logits, jnp.zeros((1,)), batch_size=1, beam_size=beam_size,
-      max_len=max_len, alpha=alpha, bos_id=bos, eos_id=eos, pad_id=pad)
+      max_len=max_len, alpha=alpha, bos_id=bos, eos_id=eos, pad_id=pad,
+      **options)
 
 
 @pytest.mark.parametrize('beam_size', [2, 4])
@@ -163,6 +179,19 @@ def test_markov_chain_best_sequence_depends_on_alpha_as_computed(beam_size):
   np.testing.assert_allclose(long.scores[0, 0],
                              np.log(0.35) / (7 / 6)**2, rtol=1e-6)
   assert bool(long.reached_eos[0, 0]) and int(long.lengths[0, 0]) == 2
+
+
+def test_a_hypothesis_that_reached_eos_outranks_a_cut_one_by_default():
+  # One step: [eos] (p 0.45, finished) against [a] (p 0.5, cut at max_len).
+  finished = _markov_search(alpha=0.0, beam_size=2, max_len=1)
+  np.testing.assert_array_equal(finished.sequences[0, 0], [2])
+  assert bool(finished.reached_eos[0, 0])
+  np.testing.assert_allclose(finished.scores[0, 0], np.log(0.45), rtol=1e-6)
+  by_score = _markov_search(alpha=0.0, beam_size=2, max_len=1,
+                            finished_first=False)
+  np.testing.assert_array_equal(by_score.sequences[0, 0], [3])
+  assert not bool(by_score.reached_eos[0, 0])
+  np.testing.assert_allclose(by_score.scores[0, 0], np.log(0.5), rtol=1e-6)
 
 
 def _countdown_search_pieces():

@@ -32,13 +32,27 @@ def _test_sources() -> list[str]:
     return f.read().splitlines()
 
 
+def _translate(run) -> list[str]:
+  """The test sources translated as e577ba4 ranked hypotheses: a cut one
+  (no eos by max_len) by its score among those that reached eos."""
+  return decoding.translate_lines(
+      run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
+      alpha=run.config.eval_alpha, finished_first=False)
+
+
 @pytest.mark.parametrize('which', ['best', 'latest', 'averaged'])
 def test_an_e577ba4_run_loads_and_translates_to_the_same_tokens(which):
   run = workdir.load_run(os.path.join(GOLDEN, 'workdir'), which)
-  translations = decoding.translate_lines(
+  then = _expected()['translations'][which]
+  assert _translate(run) == then
+  # Today's default ranks every hypothesis that reached eos first: only the
+  # lines whose best was cut at max_len (a runaway repeat) may change.
+  now = decoding.translate_lines(
       run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
       alpha=run.config.eval_alpha)
-  assert translations == _expected()['translations'][which]
+  for line_now, line_then in zip(now, then):
+    assert line_now == line_then or len(run.tokenizer.encode(line_then)) >= (
+        decoding.default_max_len(run.config, 16) - 1), (line_now, line_then)
 
 
 @pytest.mark.slow
@@ -68,9 +82,7 @@ def test_an_e577ba4_run_resumes_as_that_version_resumed_it(tmp_path):
   # another order than optax.MultiSteps summed them).
   assert second['loss'] == pytest.approx(then_second['loss'], rel=1e-5)
   run = workdir.load_run(str(tmp_path / 'run'), 'latest')
-  assert decoding.translate_lines(
-      run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
-      alpha=run.config.eval_alpha) == resumed['translations']
+  assert _translate(run) == resumed['translations']
 
 
 @pytest.mark.parametrize('which', ['average', 'Latest', ''])
