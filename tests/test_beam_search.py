@@ -349,6 +349,7 @@ _SHARDED_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
+@pytest.mark.versions
 def test_a_batch_sharded_over_eight_devices_decodes_as_on_one():
   env = dict(os.environ,
              XLA_FLAGS='--xla_force_host_platform_device_count=8',

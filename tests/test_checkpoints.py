@@ -54,6 +54,7 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.versions
 def test_a_resumed_run_is_the_uninterrupted_run_bitwise(tmp_path, cfg):
   whole, _ = _train_in(tmp_path / 'whole', cfg.replace(train_steps=40))
   _, resumed_from = _train_in(tmp_path / 'split', cfg.replace(train_steps=20))
@@ -239,6 +240,7 @@ def _flip_one_bit(step_dir):
     f.write(bytes([byte[0] ^ 0x10]))
 
 
+@pytest.mark.versions
 def test_a_flipped_bit_is_refused_naming_the_step_and_the_fallback(tmp_path,
                                                                    cfg):
   _train_in(tmp_path, cfg.replace(train_steps=20))
@@ -303,6 +305,7 @@ def test_averaging(tmp_path, cfg):
   checkpoints.close()
 
 
+@pytest.mark.versions
 def test_averaged_params_save_and_load_for_inference(tmp_path, cfg):
   state, _ = _train_in(tmp_path, cfg.replace(train_steps=30))
   with ckpt.Checkpoints(str(tmp_path / 'checkpoints')) as checkpoints:
@@ -449,6 +452,7 @@ _WRITE_OR_READ = '''
 '''
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize('writer, reader', [(8, 1), (1, 8)])
 def test_checkpoints_move_between_device_counts(tmp_path, writer, reader):
   def run(action, devices):

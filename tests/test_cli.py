@@ -61,6 +61,7 @@ def test_override_parses_strings_by_field_type():
 
 
 @pytest.mark.slow
+@pytest.mark.versions
 def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
   """The default `python train.py --task=copy`, as the README runs it.
 

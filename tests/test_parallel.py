@@ -103,6 +103,7 @@ def equivalence_report():
   return _last_json(_run(_EQUIVALENCE))
 
 
+@pytest.mark.versions
 def test_eight_devices_take_the_same_steps_as_one(equivalence_report):
   report = equivalence_report
   assert report['step'] == 3
@@ -111,10 +112,12 @@ def test_eight_devices_take_the_same_steps_as_one(equivalence_report):
     np.testing.assert_allclose(eight, one, rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.versions
 def test_the_pmap_example_of_the_docs_takes_the_same_steps(equivalence_report):
   assert equivalence_report['pmap_gap'] < 1e-6
 
 
+@pytest.mark.versions
 def test_dropout_on_eight_devices_is_deterministic_for_a_seed(
     equivalence_report):
   report = equivalence_report['dropout']
@@ -122,6 +125,7 @@ def test_dropout_on_eight_devices_is_deterministic_for_a_seed(
   assert report['effect'] > 0.0  # dropout did act
 
 
+@pytest.mark.versions
 def test_a_batch_that_does_not_divide_is_refused(equivalence_report):
   assert 'does not divide over 8 devices' in equivalence_report['indivisible']
 
@@ -202,7 +206,8 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize('data', ['copy', 'token batches'])
+@pytest.mark.parametrize('data', [
+    pytest.param('copy', marks=pytest.mark.versions), 'token batches'])
 def test_two_processes_train_in_lockstep_like_one(tmp_path, data):
   """Each process reads only its own rows (token batches: disjoint pairs
   that together are the one process's), and the two train as one."""
