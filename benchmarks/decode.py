@@ -66,7 +66,8 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
 
   ids = dict(bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id)
   if beam_size == 1:
-    return search.greedy_search(no_eos, cache, src.shape[0], gen_len, **ids)
+    return search.greedy_search(no_eos, cache, batch_size=src.shape[0],
+                               max_len=gen_len, **ids)
   return search.beam_search(
       no_eos, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=gen_len, alpha=0.6, **ids).sequences[:, 0]

@@ -18,7 +18,7 @@ that `import flaxformer_mini.cli` does not load JAX: the commands refuse a
 bad flag, or end on Ctrl-C, before the second it takes.
 """
 
-import importlib
+import importlib as _importlib
 
 # Each public name and the module it lives in.
 _HOMES = {
@@ -27,14 +27,18 @@ _HOMES = {
     'get_config': 'config',
     'beam_decode': 'decoding', 'greedy_decode': 'decoding',
     'init_cache': 'decoding', 'transformer_tokens_to_logits': 'decoding',
-    'translate_lines': 'decoding',
-    'Batch': 'masks', 'make_batch': 'masks',
+    'translate_lines': 'decoding', 'sample_decode': 'decoding',
+    'Sampling': 'decoding',
+    'Batch': 'masks', 'make_batch': 'masks', 'padding_mask': 'masks',
+    'target_mask': 'masks',
     'Transformer': 'model',
     'DataParallel': 'parallel',
     'BeamSearchResult': 'search', 'BeamState': 'search',
     'beam_search': 'search', 'beam_search_result': 'search',
     'expand_to_beams': 'search', 'greedy_search': 'search',
-    'run_beam_search': 'search', 'start_beam_search': 'search',
+    'length_penalty': 'search',
+    'run_beam_search': 'search', 'sample_search': 'search',
+    'start_beam_search': 'search',
     'take_items': 'search',
     'TrainState': 'training', 'create_train_state': 'training',
     'eval_step': 'training', 'init_params': 'training',
@@ -48,8 +52,8 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
   if name not in _HOMES:
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-  return getattr(importlib.import_module(f'{__name__}.{_HOMES[name]}'), name)
+  return getattr(_importlib.import_module(f'{__name__}.{_HOMES[name]}'), name)
 
 
 def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(_HOMES))
+  return __all__

@@ -42,6 +42,22 @@ def positive_int(text: str) -> int:
   return value
 
 
+def non_negative_float(text: str) -> float:
+  """An argparse type: a finite number of at least 0."""
+  value = finite_float(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f'{text}: must be at least 0')
+  return value
+
+
+def probability(text: str) -> float:
+  """An argparse type: a number in (0, 1]."""
+  value = finite_float(text)
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f'{text}: must lie in (0, 1]')
+  return value
+
+
 def finite_float(text: str) -> float:
   """An argparse type: a number that is neither nan nor infinite."""
   value = float(text)

@@ -3,8 +3,8 @@
 The encoder runs once over the source; the cross-attention keys and values of
 its output are projected once; then the decoder runs one token at a time,
 reading and extending its key/value cache, inside the model-agnostic searches
-of `search.py`: `greedy_decode` and `beam_decode` are those searches with
-Transformer(config). They are plain traceable functions, so other JAX code
+of `search.py`: `greedy_decode`, `sample_decode` and `beam_decode` are those
+searches with Transformer(config). They are plain traceable functions, so other JAX code
 calls them under jax.jit, vmap or a mesh.
 
 `translate_ids` and `translate_lines` decode many sentences at once, as the
@@ -13,6 +13,7 @@ batches, with the sentences whose beam search has ended leaving their batch
 on the way.
 """
 
+import dataclasses
 import os
 import resource
 from typing import Callable
@@ -26,9 +27,10 @@ from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.search import (BeamSearchResult, BeamState,
                                     TokensToLogits, beam_search,
-                                    expand_to_beams, greedy_search,
-                                    run_beam_search, start_beam_search,
-                                    take_items)
+                                    check_sizes, expand_to_beams, greedy_search,
+                                    keys_per_row,
+                                    run_beam_search, sample_search,
+                                    start_beam_search, take_items)
 
 
 
@@ -107,6 +109,30 @@ def check_max_len(config: TransformerConfig, max_len: int) -> None:
         'decode longer.')
 
 
+def check_src(src, config: TransformerConfig) -> None:
+  """A one-line ValueError for a source batch the entry points cannot take.
+
+  src must be int[batch, src_len]; where its values are known (outside
+  jit) every id must lie in the source vocabulary (under jit an id past it
+  would be clamped silently by the embedding's gather).
+  """
+  shape, dtype = jnp.shape(src), jnp.result_type(src)
+  if len(shape) != 2:
+    raise ValueError(
+        f'src of shape {shape}: expected int32[batch, src_len], one row of '
+        'token ids per sentence (one sentence: src[None]).')
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f'src of dtype {dtype}: expected integer token ids.')
+  if not isinstance(src, jax.core.Tracer) and np.size(src):
+    values = np.asarray(src)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= config.src_vocab_size:
+      raise ValueError(
+          f'src holds the id {high if high >= config.src_vocab_size else low}: '
+          f'ids must lie in [0, src_vocab_size={config.src_vocab_size}) '
+          '(encode with the run\'s own vocabulary).')
+
+
 def _encoded_for_search(params, src, config: TransformerConfig, max_len: int,
                         beams: int = 1):
   """What a search needs from Transformer(config) for the sources src.
@@ -114,6 +140,7 @@ def _encoded_for_search(params, src, config: TransformerConfig, max_len: int,
   src: int32[batch, src_len]. Runs the encoder once -> (tokens_to_logits for
   batch * beams rows, the empty cache for [batch, ...] and max_len steps).
   """
+  check_src(src, config)
   check_max_len(config, max_len)
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
@@ -125,21 +152,27 @@ def _encoded_for_search(params, src, config: TransformerConfig, max_len: int,
           init_cache(config, src.shape[0], max_len))
 
 
-def greedy_decode(params, src, config: TransformerConfig, max_len: int):
+def greedy_decode(params, src, config: TransformerConfig, *,
+                  max_len: int | None = None):
   """Greedy translation of a batch with Transformer(config) and `params`.
 
   Args:
     params: the model parameters.
-    src: int32[batch, src_len], pad-filled source ids.
+    src: int32[batch, src_len], one sentence per row as it was trained:
+      its token ids, then eos, then pad to the row's end (an id past the
+      source vocabulary is refused where src is known, outside jit).
     config: the model's config (static under jit).
-    max_len: output positions (static under jit).
+    max_len: output positions (static under jit); None: source length + 50,
+      within config.max_len, as beam_decode.
 
   Returns:
     int32[batch, max_len] output ids: the tokens, eos, then pad.
   """
+  max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
   tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len)
-  return greedy_search(tokens_to_logits, cache, src.shape[0], max_len,
-                       config.bos_id, config.eos_id, config.pad_id)
+  return greedy_search(tokens_to_logits, cache, batch_size=src.shape[0],
+                       max_len=max_len, bos_id=config.bos_id,
+                       eos_id=config.eos_id, pad_id=config.pad_id)
 
 
 def tokens_before_eos(row, eos_id: int, pad_id: int) -> list[int]:
@@ -156,7 +189,7 @@ def default_max_len(config: TransformerConfig, src_len: int) -> int:
   return min(src_len + 50, config.max_len)
 
 
-def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
+def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
                 n_best: int = 1, finished_first: bool = True,
                 on_step: Callable[[BeamState], None] | None = None
@@ -171,18 +204,21 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
 
   Args:
     params: the model parameters.
-    src: int32[batch, src_len], pad-filled source ids.
+    src: int32[batch, src_len], one sentence per row as it was trained:
+      its token ids, then eos, then pad to the row's end (an id past the
+      source vocabulary is refused where src is known, outside jit).
     config: the model's config.
     beam_size, alpha, max_len, n_best, finished_first, on_step: see
-      `beam_search`.
-    Under jax.jit, config, beam_size, alpha, max_len and n_best are static.
+      `beam_search`. Under jax.jit, config, beam_size, max_len and n_best
+      are static (shapes); alpha may be traced.
 
   Returns:
     BeamSearchResult: sequences int32[batch, n_best, max_len], scores
     float32[batch, n_best], lengths int32[batch, n_best] and reached_eos
     bool[batch, n_best].
   """
-  max_len = default_max_len(config, src.shape[1]) if max_len is None else max_len
+  check_sizes(beam_size=beam_size)  # before the encoder output is repeated
+  max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
   tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len,
                                                 beam_size)
   return beam_search(
@@ -190,6 +226,41 @@ def beam_decode(params, src, config: TransformerConfig, beam_size: int = 4,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
       finished_first=finished_first, on_step=on_step)
+
+
+def sample_decode(params, src, config: TransformerConfig, *, rng,
+                  num_samples: int = 1, max_len: int | None = None,
+                  temperature=1.0, top_k: int = 0, top_p=1.0):
+  """Translations of a batch drawn from Transformer(config) (`sample_search`).
+
+  Args:
+    params: the model parameters.
+    src: int32[batch, src_len], one sentence per row as it was trained:
+      its token ids, then eos, then pad to the row's end.
+    config: the model's config.
+    rng: a PRNG key, or one per sentence (key[batch]): a sentence's samples
+      then depend on its own key alone, not on the batch it is drawn in.
+    num_samples: translations drawn per sentence (static).
+    max_len: output positions (static); None: source length + 50.
+    temperature, top_k, top_p: see `sample_search` (temperature 0 or top_k
+      1: greedy).
+
+  Returns:
+    int32[batch, num_samples, max_len]: each the drawn tokens, eos, then pad.
+  """
+  check_sizes(num_samples=num_samples)
+  max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
+  tokens_to_logits, _ = _encoded_for_search(params, src, config, max_len,
+                                            num_samples)
+  rows = src.shape[0] * num_samples
+  keys = jax.vmap(lambda key: jax.random.split(key, num_samples))(
+      keys_per_row(rng, src.shape[0]))
+  tokens = sample_search(
+      tokens_to_logits, init_cache(config, rows, max_len),
+      rng=keys.reshape(rows), batch_size=rows, max_len=max_len,
+      bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id,
+      temperature=temperature, top_k=top_k, top_p=top_p)
+  return tokens.reshape(src.shape[0], num_samples, max_len)
 
 
 # The translation of many sentences: the translate command and evaluations.
@@ -224,6 +295,8 @@ def _run_beams(params, src, state: BeamState, config: TransformerConfig,
 # One jitted program per shape for the process: a later call (the next
 # evaluation, the next input) with the same shapes reuses the compiled one.
 _jit_greedy = jax.jit(greedy_decode, static_argnames=('config', 'max_len'))
+_jit_sample = jax.jit(sample_decode, static_argnames=(
+    'config', 'num_samples', 'max_len', 'top_k'))
 _jit_start_beams = jax.jit(_start_beams, static_argnums=(0, 1, 2, 3))
 _jit_run_beams = jax.jit(_run_beams, static_argnames=(
     'config', 'alpha', 'until_searching', 'finished_first'))
@@ -305,61 +378,115 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
     owner = owner[keep]
 
 
-def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
-                  beam_size: int = 4, alpha: float = 0.6,
-                  batch_size: int = 64, shrink_batches: bool = True,
-                  finished_first: bool = True) -> list[list[int]]:
-  """The best translation of each source (token ids, no eos), in order.
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Translations drawn from the model instead of searched (`sample_decode`).
 
-  Sources are sorted by length into batches of `batch_size`, so that the
-  sentences of a batch are padded little and tend to end at similar steps.
-  With shrink_batches the sentences whose beam search has ended leave their
-  batch on the way (`_beam_search_in_stages`): the same translations as one
-  stage (shrink_batches=False), 1.4x faster on the Multi30k test set once
-  compiled, for a second program per batch shape. Source lengths are rounded
-  up to multiples of 16 to bound the number of shapes, hence of programs to
-  compile (padding costs the search little: its step is the output layer's
-  product). beam_size 1 is greedy search; finished_first: see `beam_search`.
-  An empty source gives an empty translation; sources longer than
-  config.max_len - 1 are cut there.
+  Sentence i of a call draws with the key fold_in(key(seed), i): its samples
+  are the same whatever the batch it lands in.
+  """
+  seed: int = 0
+  num_samples: int = 1  # translations per sentence
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+
+def _length_batches(config: TransformerConfig, sources: list[list[int]],
+                    batch_size: int):
+  """The non-empty sources sorted by length into batches: yields (members,
+  src int32[batch_size, length]), member r's ids + eos in row r.
+
+  Lengths are rounded up to multiples of 16 to bound the number of shapes,
+  hence of programs to compile; rows past the last member repeat the first
+  (their outputs are dropped); sources longer than config.max_len - 1 are
+  cut there.
   """
   limit = config.max_len - 1  # room for eos
-  # Parameters of any origin (a host copy, as averaging gives, or a training
-  # state's device copy) become arrays on one device: a jitted program is
-  # compiled per placement of its arguments, and is reused only for the same.
-  params = jax.device_put(params, jax.local_devices()[0])
   order = sorted((i for i, ids in enumerate(sources) if len(ids)),
                  key=lambda i: len(sources[i]))
-  outputs = [[] for _ in sources]
   for start in range(0, len(order), batch_size):
     members = order[start:start + batch_size]
     longest = min(max(len(sources[i]) for i in members) + 1, config.max_len)
     length = min(-(-longest // 16) * 16, config.max_len)
-    # Rows past the last member repeat the shortest one, and are dropped.
     src = np.full((batch_size, length), config.pad_id, np.int32)
     for row in range(batch_size):
       member = members[row] if row < len(members) else members[0]
       ids = list(sources[member][:limit]) + [config.eos_id]
       src[row, :len(ids)] = ids
-    max_len = default_max_len(config, length)
-    if beam_size == 1:
-      best = np.asarray(_jit_greedy(params, src, config, max_len))
+    yield members, src
+
+
+def _draw(params, src, members: list[int], config: TransformerConfig,
+          sampling: Sampling, max_len: int) -> np.ndarray:
+  """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
+  rows = [members[min(row, len(members) - 1)] for row in range(len(src))]
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(
+      jax.random.key(sampling.seed), jnp.asarray(rows, jnp.uint32))
+  return np.asarray(_jit_sample(
+      params, src, config, rng=keys, num_samples=sampling.num_samples,
+      max_len=max_len, temperature=sampling.temperature, top_k=sampling.top_k,
+      top_p=sampling.top_p))
+
+
+def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
+                  *, beam_size: int = 4, alpha: float | None = None,
+                  batch_size: int = 64, shrink_batches: bool = True,
+                  finished_first: bool = True,
+                  sampling: Sampling | None = None) -> list[list[int]]:
+  """The best translation of each source (token ids, no eos), in order.
+
+  Each source is its token ids without eos (eos and pad are added here).
+  alpha None: the config's eval_alpha, as the translate command and a
+  run's evaluations decode.
+
+  Sources are sorted by length into batches of `batch_size`, so that the
+  sentences of a batch are padded little and tend to end at similar steps
+  (`_length_batches`). With shrink_batches the sentences whose beam search
+  has ended leave their batch on the way (`_beam_search_in_stages`): the
+  same translations as one stage (shrink_batches=False), 1.4x faster on the
+  Multi30k test set once compiled, for a second program per batch shape.
+  beam_size 1 is greedy search; finished_first: see `beam_search`. With
+  `sampling`, translations are drawn instead, sampling.num_samples per
+  source, consecutive in the list returned. An empty source gives an empty
+  translation; sources longer than config.max_len - 1 are cut there.
+  """
+  alpha = config.eval_alpha if alpha is None else alpha
+  draws = sampling.num_samples if sampling else 1
+  # Parameters of any origin (a host copy, as averaging gives, or a training
+  # state's device copy) become arrays on one device: a jitted program is
+  # compiled per placement of its arguments, and is reused only for the same.
+  params = jax.device_put(params, jax.local_devices()[0])
+  outputs = [[] for _ in range(len(sources) * draws)]
+  for members, src in _length_batches(config, sources, batch_size):
+    max_len = default_max_len(config, src.shape[1])
+    if sampling:
+      best = _draw(params, src, members, config, sampling, max_len)
+    elif beam_size == 1:
+      best = np.asarray(_jit_greedy(params, src, config, max_len=max_len))
     else:
       best = _beam_search_in_stages(params, src, config, beam_size, alpha,
                                     max_len, shrink_batches, finished_first)
+    best = best.reshape(len(src), draws, max_len)
     for row, i in enumerate(members):
-      outputs[i] = tokens_before_eos(best[row], config.eos_id, config.pad_id)
+      for draw in range(draws):
+        outputs[i * draws + draw] = tokens_before_eos(
+            best[row, draw], config.eos_id, config.pad_id)
   return outputs
 
 
 def translate_lines(params, config: TransformerConfig, tokenizer,
-                    lines: list[str], beam_size: int = 4, alpha: float = 0.6,
-                    batch_size: int = 64, warn=None,
-                    finished_first: bool = True) -> list[str]:
+                    lines: list[str], *, beam_size: int = 4,
+                    alpha: float | None = None, batch_size: int = 64,
+                    warn=None, finished_first: bool = True,
+                    sampling: Sampling | None = None) -> list[str]:
   """Translations of `lines`, in order; '' for an empty line.
 
+  tokenizer: the run's sentencepiece.SentencePieceProcessor (`load_run`).
   Sources longer than config.max_len - 1 tokens are cut there and reported
-  through `warn(line_number, length)`. See translate_ids for the search.
+  through `warn(line_number, length)`. See translate_ids for the search:
+  alpha None is the config's eval_alpha, as the translate command uses; with
+  `sampling`, sampling.num_samples translations per line, consecutive.
   """
   encoded = [tokenizer.encode(line.strip()) if line.strip() else []
              for line in lines]
@@ -367,5 +494,6 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
     if len(ids) > config.max_len - 1 and warn is not None:
       warn(number, len(ids))
   return [tokenizer.decode(ids) for ids in translate_ids(
-      params, config, encoded, beam_size, alpha, batch_size,
-      finished_first=finished_first)]
+      params, config, encoded, beam_size=beam_size, alpha=alpha,
+      batch_size=batch_size, finished_first=finished_first,
+      sampling=sampling)]

@@ -1,4 +1,5 @@
-"""Greedy and beam search over any model: a tokens -> logits function and a cache.
+"""Greedy search, sampling and beam search over any model: a tokens -> logits
+function and a cache.
 
 The searches never look inside the model (as in T5X): they take a function
 `tokens_to_logits(tokens, cache) -> (logits, new_cache)` and the cache it
@@ -6,7 +7,7 @@ reads and writes, so any decoder can use them. Each is one jax.lax.while_loop,
 so a whole search runs on the device and can be jitted, vmapped or sharded by
 the caller. `decoding.py` builds that function from the Transformer.
 
-Neither search ever emits pad (the filler after eos) or bos (it only starts a
+No search ever emits pad (the filler after eos) or bos (it only starts a
 sequence); scores stay the model's own log-probabilities.
 
 Beam search carries a cache with one row per beam: every leaf is
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 import flax.struct
 import jax
+import jax.export
 import jax.numpy as jnp
 
 # (int32[rows, 1] the last tokens, cache) -> (float[rows, vocab] logits, cache)
@@ -29,14 +31,63 @@ def _forbid(scores, token_ids):
   return scores.at[..., jnp.asarray(token_ids)].set(-jnp.inf)
 
 
-def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
+def check_sizes(**sizes: int) -> None:
+  """A one-line ValueError for a size that is not a positive int (or a
+  symbolic dimension, as jax.export traces one)."""
+  for name, size in sizes.items():
+    if jax.export.is_symbolic_dim(size):
+      continue
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      raise ValueError(f'{name}={size!r}: must be a positive int (a shape, '
+                       'static under jit).')
+
+
+def _check_cache_rows(cache, batch_size: int) -> None:
+  """The cache comes with one row per batch item, not per beam."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+    if jnp.ndim(leaf) and jnp.shape(leaf)[0] != batch_size:
+      raise ValueError(
+          f'cache{jax.tree_util.keystr(path)} has {jnp.shape(leaf)[0]} rows; '
+          f'every non-scalar leaf must be [batch_size={batch_size}, ...] '
+          '(the search repeats it over beams itself).')
+
+
+def _check_model(tokens_to_logits: TokensToLogits, cache, rows: int,
+                 **ids: int) -> None:
+  """One-line ValueErrors, before the loop is traced, for logits of another
+  shape than [rows, vocab] (or [rows, 1, vocab]) and for a bos_id, eos_id or
+  pad_id outside the vocabulary (first known here, from the logits' shape).
+  """
+  logits, _ = jax.eval_shape(
+      tokens_to_logits, jax.ShapeDtypeStruct((rows, 1), jnp.int32), cache)
+  shape = logits.shape
+  if len(shape) == 3 and shape[1] == 1:
+    shape = (shape[0], shape[2])
+  if len(shape) != 2 or shape[0] != rows:
+    raise ValueError(
+        f'tokens_to_logits returned logits of shape {logits.shape}; expected '
+        f'[rows={rows}, vocab].')
+  for name, token in ids.items():
+    if not 0 <= token < shape[1]:
+      raise ValueError(f'{name}={token}: outside the vocabulary of {shape[1]} '
+                       'tokens that tokens_to_logits scores.')
+
+
+def _float32_logits(logits):
+  """float[rows, vocab] or [rows, 1, vocab] (the Flax WMT example's habit)
+  -> float32[rows, vocab]."""
+  return (logits[:, 0] if logits.ndim == 3 else logits).astype(jnp.float32)
+
+
+def greedy_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                   max_len: int, bos_id: int, eos_id: int, pad_id: int):
   """Picks the most likely next token until eos or max_len.
 
   Args:
     tokens_to_logits: (int32[batch, 1] last tokens, cache) ->
       (float[batch, vocab] next-token logits, new cache).
-    cache: the decoder state before the first step.
+    cache: the decoder state before the first step; every non-scalar leaf
+      [batch, ...].
     batch_size: number of sequences.
     max_len: number of output positions.
     bos_id, eos_id, pad_id: the first input token, the token that ends a
@@ -46,6 +97,92 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
     int32[batch, max_len]: each row is the output tokens, eos included if
     generated, then pad. The loop stops once every row has ended.
   """
+  return _token_by_token(
+      tokens_to_logits, cache, lambda logits, step: jnp.argmax(logits, -1),
+      batch_size=batch_size, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
+      pad_id=pad_id)
+
+
+def sample_search(tokens_to_logits: TokensToLogits, cache, *, rng,
+                  batch_size: int, max_len: int, bos_id: int, eos_id: int,
+                  pad_id: int, temperature=1.0, top_k: int = 0, top_p=1.0):
+  """Draws each next token from the model's distribution until eos or max_len.
+
+  The distribution is softmax(logits / temperature) over pad and bos
+  excluded, cut to the top_k most likely tokens and then to the smallest
+  set whose probability reaches top_p (nucleus sampling), renormalised.
+
+  Args:
+    tokens_to_logits, cache, batch_size, max_len, bos_id, eos_id, pad_id:
+      as in `greedy_search`.
+    rng: a PRNG key, or one per row (key[batch_size]): a row's tokens then
+      depend on its own key alone, not on the batch it is drawn in.
+    temperature: float >= 0, may be traced (vmap over it works); 0 is
+      greedy search.
+    top_k: keep the k most likely tokens (static; 0: all). 1 is greedy.
+    top_p: float in (0, 1], may be traced; 1: all tokens.
+
+  Returns:
+    int32[batch, max_len]: each row the drawn tokens, eos included if drawn,
+    then pad.
+  """
+  row_keys = keys_per_row(rng, batch_size)
+  check_sizes(**({'top_k': top_k} if top_k else {}))
+
+  def draw(logits, step):
+    greedy = jnp.argmax(logits, -1)
+    logits = _top_p(_top_k(logits / jnp.where(temperature > 0, temperature, 1),
+                           top_k), top_p)
+    keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)
+    drawn = jax.vmap(jax.random.categorical)(keys, logits)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+  return _token_by_token(
+      tokens_to_logits, cache, draw, batch_size=batch_size, max_len=max_len,
+      bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+
+
+def keys_per_row(rng, rows: int):
+  """A PRNG key split into key[rows], or key[rows] as it is; a raw
+  uint32[..., 2] key (jax.random.PRNGKey) is taken too."""
+  if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(rng)
+  keys = jax.random.split(rng, rows) if rng.ndim == 0 else rng
+  if keys.shape != (rows,):
+    raise ValueError(f'rng of shape {rng.shape}: expected one key or one per '
+                     f'row, [{rows}].')
+  return keys
+
+
+def _top_k(logits, k: int):
+  """float32[rows, vocab] with every logit below the k-th largest of its row
+  at -inf (k = 0: unchanged)."""
+  if not k or k >= logits.shape[-1]:
+    return logits
+  kth = jax.lax.top_k(logits, k)[0][:, -1:]
+  return jnp.where(logits < kth, -jnp.inf, logits)
+
+
+def _top_p(logits, p):
+  """float32[rows, vocab] with -inf outside the smallest set of most likely
+  tokens whose probability reaches p (the most likely token always kept)."""
+  ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+  probs = jax.nn.softmax(ordered, axis=-1)
+  kept = jnp.cumsum(probs, axis=-1) - probs < p  # the mass before each < p
+  least = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits < least, -jnp.inf, logits)
+
+
+def _token_by_token(tokens_to_logits: TokensToLogits, cache, pick, *,
+                    batch_size: int, max_len: int, bos_id: int, eos_id: int,
+                    pad_id: int):
+  """The loop of greedy search and sampling: pick(float32[batch, vocab]
+  logits without pad and bos, int32[] step) -> int[batch] next tokens, until
+  every row has drawn eos or max_len tokens; pad after eos."""
+  check_sizes(batch_size=batch_size, max_len=max_len)
+  _check_cache_rows(cache, batch_size)
+  _check_model(tokens_to_logits, cache, batch_size, bos_id=bos_id,
+               eos_id=eos_id, pad_id=pad_id)
   # tokens[:, 0] is bos; step i reads tokens[:, i] and writes tokens[:, i + 1].
   tokens = jnp.full((batch_size, max_len + 1), pad_id, jnp.int32)
   tokens = tokens.at[:, 0].set(bos_id)
@@ -58,9 +195,9 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int,
   def one_token(state):
     step, tokens, cache, finished = state
     last = jax.lax.dynamic_slice_in_dim(tokens, step, 1, axis=1)  # [batch, 1]
-    logits, cache = tokens_to_logits(last, cache)  # [batch, vocab]
-    logits = _forbid(logits.astype(jnp.float32), [pad_id, bos_id])
-    next_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
+    logits, cache = tokens_to_logits(last, cache)
+    logits = _forbid(_float32_logits(logits), [pad_id, bos_id])  # [batch, vocab]
+    next_token = pick(logits, step).astype(jnp.int32)  # [batch]
     next_token = jnp.where(finished, pad_id, next_token)
     tokens = jax.lax.dynamic_update_slice(tokens, next_token[:, None],
                                           (0, step + 1))
@@ -169,12 +306,14 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
       (float[batch * beam, vocab] logits, new cache); rows are the beams of
       each item, consecutive. log_softmax runs in float32 here whatever the
       model's dtype.
-    cache: the decoder state for [batch, ...]; expanded over beams here
-      (scalar leaves are shared by all beams).
+    cache: the decoder state, every non-scalar leaf [batch, ...] (one row
+      per item, not per beam); expanded over beams here (scalar leaves are
+      shared by all beams).
     batch_size: number of batch items.
     beam_size: hypotheses kept per item.
     max_len: generated positions at most.
-    alpha: length-penalty exponent (0 = raw log-probabilities).
+    alpha: length-penalty exponent (0 = raw log-probabilities); may be
+      traced (jax.vmap over alphas works).
     bos_id, eos_id, pad_id: first input token, end token, filler after eos.
     n_best: how many finished hypotheses to return per item (<= beam_size).
     finished_first: True: a hypothesis that reached eos outranks every one
@@ -188,7 +327,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   Returns:
     A BeamSearchResult with [batch, n_best, ...] fields, best first.
   """
-  if not 1 <= n_best <= beam_size:
+  check_sizes(batch_size=batch_size, beam_size=beam_size, max_len=max_len)
+  if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
     raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
   state = start_beam_search(cache, batch_size=batch_size, beam_size=beam_size,
                             max_len=max_len, bos_id=bos_id, pad_id=pad_id)
@@ -202,9 +342,12 @@ def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
                       bos_id: int, pad_id: int) -> BeamState:
   """The state before the first step: bos in every sequence, pools empty.
 
-  cache: the decoder state for [batch, ...], expanded over beams here.
-  The state's sequences are int32[batch, beams, max_len + 1].
+  cache: the decoder state, every non-scalar leaf [batch, ...]; expanded
+  over beams here. The state's live_sequences and finished_sequences are
+  int32[batch, beams, max_len + 1] (see BeamState).
   """
+  check_sizes(batch_size=batch_size, beam_size=beam_size, max_len=max_len)
+  _check_cache_rows(cache, batch_size)
   batch, beams = batch_size, beam_size
   # Column 0 holds bos; step i reads column i and writes column i + 1.
   sequences = jnp.full((batch, beams, max_len + 1), pad_id, jnp.int32)
@@ -245,6 +388,8 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
   """
   batch, beams = state.live_log_probs.shape
   max_len = state.max_len
+  _check_model(tokens_to_logits, state.cache, batch * beams, bos_id=bos_id,
+               eos_id=eos_id, pad_id=pad_id)
 
   def keep_going(state: BeamState):
     return (state.step < max_len) & (jnp.sum(~state.done) > until_searching)
@@ -255,9 +400,9 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
     last = jax.lax.dynamic_slice_in_dim(state.live_sequences, step, 1, axis=2)
     logits, cache = tokens_to_logits(last.reshape(batch * beams, 1),
                                      state.cache)
+    logits = _float32_logits(logits)
     vocab = logits.shape[-1]
-    log_probs = _forbid(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
-                        [pad_id, bos_id])
+    log_probs = _forbid(jax.nn.log_softmax(logits, axis=-1), [pad_id, bos_id])
     # --> [batch, beams, vocab]: log p of every one-token extension
     candidates = (state.live_log_probs[:, :, None] +
                   log_probs.reshape(batch, beams, vocab))

@@ -10,6 +10,12 @@ Lines are split on '\\n' alone, sorted by length into batches and
 beam-searched; line i of the output always answers line i of the input, and
 an empty input line gives an empty output line.
 
+  ... --sample --seed=1 --num_samples=4 --top_p=0.9 < input.txt
+
+draws translations from the model instead (as back-translation wants): N
+samples per line are written as N consecutive lines, the same for a seed
+whatever --batch_size.
+
 It ends as a Unix filter does: quietly when its reader has gone (`| head`,
 exit 141), in one line when the output cannot be written (a full disk) or
 on Ctrl-C (exit 130); a --beam_size that cannot fit in the device's memory
@@ -58,6 +64,19 @@ def _check_memory(parser, config, beam_size: int, batch_size: int) -> None:
         '--batch_size.')
 
 
+def _sampling(parser, args) -> dict | None:
+  """The fields of the decoding.Sampling the flags ask for, or None; a
+  sampling flag without --sample is refused (it would be ignored)."""
+  given = {name: getattr(args, name) for name in
+           ('seed', 'num_samples', 'temperature', 'top_k', 'top_p')
+           if getattr(args, name) is not None}
+  if not args.sample:
+    if given:
+      parser.error(f'--{next(iter(given))} draws translations: add --sample.')
+    return None
+  return given
+
+
 def _write(text: str) -> None:
   """Writes to stdout and ends as a Unix filter does when it cannot."""
   try:
@@ -87,8 +106,23 @@ def main(argv: list[str]) -> None:
                       'eval_alpha, the one its scores were decoded with).')
   parser.add_argument('--batch_size', type=cli.positive_int, default=64,
                       help='sentences per search.')
+  sampling = parser.add_argument_group(
+      'sampling', 'draw translations instead of searching for the best')
+  sampling.add_argument('--sample', action='store_true')
+  sampling.add_argument('--seed', type=int, help='default 0.')
+  sampling.add_argument('--num_samples', type=cli.positive_int,
+                        help='translations per line, on consecutive lines '
+                        '(default 1).')
+  sampling.add_argument('--temperature', type=cli.non_negative_float,
+                        help='default 1; 0 is greedy.')
+  sampling.add_argument('--top_k', type=cli.positive_int,
+                        help='draw among the k most likely tokens only.')
+  sampling.add_argument('--top_p', type=cli.probability,
+                        help='draw among the fewest most likely tokens whose '
+                        'probability reaches p only (nucleus sampling).')
   compilation_cache.add_flag(parser)
   args = parser.parse_args(argv)
+  sampling = _sampling(parser, args)
   if missing := cli.missing_translation_extras():
     parser.error(missing)
   lines = _input_lines(parser, args.input)
@@ -109,15 +143,19 @@ def main(argv: list[str]) -> None:
   except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
     parser.error(str(e))
   config = run.config
-  _check_memory(parser, config, args.beam_size, args.batch_size)
+  if sampling is not None:
+    sampling = decoding.Sampling(**sampling)
+  _check_memory(parser, config,
+                sampling.num_samples if sampling else args.beam_size,
+                args.batch_size)
   warn = lambda number, length: print(
       f'translate: line {number} has {length} tokens; cut to '
       f'{config.max_len - 1} (the model\'s max_len)', file=sys.stderr)
   try:
     translations = decoding.translate_lines(
-        run.params, config, run.tokenizer, lines, args.beam_size,
-        config.eval_alpha if args.alpha is None else args.alpha,
-        args.batch_size, warn)
+        run.params, config, run.tokenizer, lines, beam_size=args.beam_size,
+        alpha=args.alpha, batch_size=args.batch_size, warn=warn,
+        sampling=sampling)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise

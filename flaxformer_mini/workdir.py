@@ -25,12 +25,16 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import jax
 
 from flaxformer_mini import checkpoints as ckpt
 from flaxformer_mini.config import TransformerConfig
+
+if TYPE_CHECKING:
+  import sentencepiece
+
 
 LOCK = '.lock'
 CHECKPOINTS = 'checkpoints'
@@ -158,12 +162,22 @@ WHICH = ('best', 'latest', 'averaged')
 
 @dataclasses.dataclass(frozen=True)
 class TrainedRun:
-  """A trained run as `load_run` reads it."""
-  config: TransformerConfig  # the config it was trained with
-  params: Any                # the parameters, replicated over every device
-  which: str                 # 'latest' or 'averaged'
-  step: int                  # the training step they come from
-  tokenizer: Any             # its SentencePiece model (translation), or None
+  """A trained run as `load_run` reads it.
+
+  Attributes:
+    config: the config it was trained with.
+    params: the parameters, replicated over every device.
+    which: 'latest' or 'averaged', the parameters loaded.
+    step: the training step they come from.
+    tokenizer: its vocabulary, a sentencepiece.SentencePieceProcessor
+      (encode(text) -> ids without eos, decode(ids) -> text) for a
+      translation run; None for the copy task.
+  """
+  config: TransformerConfig
+  params: Any
+  which: str
+  step: int
+  tokenizer: 'sentencepiece.SentencePieceProcessor | None'
 
 
 def _chosen(path: str) -> str:

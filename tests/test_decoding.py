@@ -51,7 +51,7 @@ def test_the_encoder_output_is_projected_once_not_at_every_step(toy_model):
 def test_greedy_equals_a_naive_loop_over_the_full_model(toy_model):
   cfg, params, src = toy_model
   max_len = 6
-  ours = np.asarray(decoding.greedy_decode(params, src, cfg, max_len))
+  ours = np.asarray(decoding.greedy_decode(params, src, cfg, max_len=max_len))
   assert ours.shape == (4, max_len)
   # Naive greedy: rerun the whole model on the growing prefix, from bos.
   prefix = jnp.full((4, 1), cfg.bos_id, jnp.int32)
@@ -77,8 +77,8 @@ def test_greedy_search_stops_each_row_at_eos_and_pads_after():
     del tokens
     return jax.nn.one_hot(script[:, step], 10) * 10, step + 1
 
-  out = search.greedy_search(tokens_to_logits, jnp.asarray(0), 3, 4, bos,
-                             eos, pad)
+  out = search.greedy_search(tokens_to_logits, jnp.asarray(0), batch_size=3,
+                             max_len=4, bos_id=bos, eos_id=eos, pad_id=pad)
   np.testing.assert_array_equal(
       out, [[5, eos, pad, pad], [5, 6, 7, 8], [eos, pad, pad, pad]])
 
@@ -88,10 +88,94 @@ def test_greedy_decode_compiles_under_jit(toy_model):
   jitted = jax.jit(functools.partial(decoding.greedy_decode, config=cfg,
                                      max_len=5))
   np.testing.assert_array_equal(jitted(params, src),
-                                decoding.greedy_decode(params, src, cfg, 5))
+                                decoding.greedy_decode(params, src, cfg,
+                                                       max_len=5))
 
 
 def test_max_len_beyond_the_position_table_is_refused(toy_model):
   cfg, params, src = toy_model
   with pytest.raises(ValueError, match='max_len'):
-    decoding.greedy_decode(params, src, cfg, cfg.max_len + 1)
+    decoding.greedy_decode(params, src, cfg, max_len=cfg.max_len + 1)
+
+
+def _bigram(vocab=6):
+  """A model without state: the next token's logits depend on the last."""
+  table = jax.random.normal(jax.random.key(0), (vocab, vocab))
+  return lambda tokens, cache: (table[tokens[:, 0]], cache)
+
+
+@pytest.mark.parametrize('call, message', [
+    (lambda cfg, p, s: decoding.beam_decode(p, s[0], cfg),
+     r'^src of shape \(5,\): expected int32\[batch, src_len\], one row of '
+     r'token ids per sentence \(one sentence: src\[None\]\)\.$'),
+    (lambda cfg, p, s: decoding.greedy_decode(p, s[None], cfg),
+     r'^src of shape \(1, 4, 5\): expected int32\[batch, src_len\]'),
+    (lambda cfg, p, s: decoding.greedy_decode(p, s.astype(jnp.float32), cfg),
+     r'^src of dtype float32: expected integer token ids\.$'),
+    (lambda cfg, p, s: decoding.beam_decode(p, s.at[1, 0].set(99), cfg),
+     r'^src holds the id 99: ids must lie in \[0, src_vocab_size=9\) '
+     r"\(encode with the run's own vocabulary\)\.$"),
+    (lambda cfg, p, s: decoding.beam_decode(p, s, cfg, beam_size=0),
+     r'^beam_size=0: must be a positive int \(a shape, static under jit\)\.$'),
+    (lambda cfg, p, s: decoding.beam_decode(p, s, cfg, n_best=5),
+     r'^n_best=5: must lie in \[1, beam_size=4\]\.$'),
+    (lambda cfg, p, s: search.greedy_search(
+        _bigram(), None, batch_size=2, max_len=3, bos_id=1, eos_id=6,
+        pad_id=0),
+     r'^eos_id=6: outside the vocabulary of 6 tokens that tokens_to_logits '
+     r'scores\.$'),
+    (lambda cfg, p, s: search.beam_search(
+        _bigram(), None, batch_size=2, beam_size=2, max_len=3, alpha=0.6,
+        bos_id=-1, eos_id=2, pad_id=0),
+     r'^bos_id=-1: outside the vocabulary of 6 tokens'),
+    (lambda cfg, p, s: search.beam_search(
+        _bigram(), {'h': jnp.zeros((6, 3))}, batch_size=2, beam_size=3,
+        max_len=3, alpha=0.6, bos_id=1, eos_id=2, pad_id=0),
+     r"^cache\['h'\] has 6 rows; every non-scalar leaf must be "
+     r'\[batch_size=2, \.\.\.\] \(the search repeats it over beams itself\)\.$'),
+])
+def test_a_client_mistake_is_one_line_naming_it(toy_model, call, message):
+  cfg, params, src = toy_model
+  with pytest.raises(ValueError, match=message):
+    call(cfg, params, src)
+
+
+def test_every_search_takes_its_sizes_and_ids_by_keyword():
+  """Five ints in an order of their own used to pass silently when swapped."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  for function in (search.greedy_search, search.beam_search,
+                   decoding.greedy_decode, decoding.beam_decode,
+                   decoding.translate_ids, decoding.translate_lines):
+    positional = [name for name, p in inspect.signature(
+        function).parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional in (['tokens_to_logits', 'cache'],
+                          ['params', 'src', 'config'],
+                          ['params', 'config', 'sources'],
+                          ['params', 'config', 'tokenizer', 'lines']), (
+                              function.__name__, positional)
+
+
+def test_logits_with_a_length_axis_of_one_are_taken_by_both_searches():
+  bigram = _bigram()
+  unsqueezed = lambda tokens, cache: (bigram(tokens, cache)[0][:, None], cache)
+  ids = dict(bos_id=1, eos_id=2, pad_id=0)
+  for model in (bigram, unsqueezed):
+    greedy = search.greedy_search(model, None, batch_size=2, max_len=4, **ids)
+    beam = search.beam_search(model, None, batch_size=2, beam_size=1,
+                              max_len=4, alpha=0.0, **ids)
+    np.testing.assert_array_equal(greedy, beam.sequences[:, 0])
+
+
+def test_greedy_decode_defaults_max_len_as_beam_decode(toy_model):
+  cfg, params, src = toy_model
+  assert decoding.greedy_decode(params, src, cfg).shape == (
+      4, decoding.default_max_len(cfg, src.shape[1]))
+
+
+def test_the_mask_helpers_and_the_length_penalty_are_exported():
+  import flaxformer_mini as fm  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import masks  # pylint: disable=g-import-not-at-top
+  assert fm.padding_mask is masks.padding_mask
+  assert fm.target_mask is masks.target_mask
+  assert fm.length_penalty is search.length_penalty
+  assert dir(fm) == fm.__all__ and 'importlib' not in dir(fm)

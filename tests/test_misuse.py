@@ -820,6 +820,10 @@ def test_every_input_line_gets_its_own_output_line(tiny_run, tmp_path):
     (['--alpha=nan'], '--alpha: nan: must be a finite number'),
     (['--input=/no/such/file'], '--input=/no/such/file: no such file'),
     (['--input=/tmp'], '--input=/tmp: a folder, not a file'),
+    (['--top_p=0.9'], '--top_p draws translations: add --sample.'),
+    (['--sample', '--top_p=0'], '--top_p: 0: must lie in (0, 1]'),
+    (['--sample', '--temperature=-1'], '--temperature: -1: must be at least 0'),
+    (['--sample', '--num_samples=0'], '--num_samples: 0: must be at least 1'),
 ])
 def test_bad_translate_flags_are_refused_before_the_model_loads(
     tiny_run, flags, expected):

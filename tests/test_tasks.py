@@ -9,16 +9,29 @@ by adding its row.
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import MULTI30K
+from conftest import MULTI30K, ROOT
 from flaxformer_mini import checkpoints
 from flaxformer_mini.config import get_config
 from flaxformer_mini.tasks import TASKS
 
-# Whole runs, if short ones.
-pytestmark = pytest.mark.slow
+
+def test_the_readme_and_help_name_each_tasks_preset_from_the_table():
+  help_text = ' '.join(subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--help'],
+      capture_output=True, text=True, check=True).stdout.split())
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    readme = ' '.join(f.read().split())
+  for name, task in TASKS.items():
+    assert f'{task.preset} for --task={name}' in help_text
+    said = re.findall(rf'`python train.py --task={name}[^`]*` \(the `(\w+)`'
+                      r' preset', readme)
+    assert said and set(said) == {task.preset}, (name, said)
 
 
 def _tiny(preset: str):
@@ -31,6 +44,7 @@ def _tiny(preset: str):
       average_last=2, eval_beam_size=1)
 
 
+@pytest.mark.slow  # whole runs, if short ones
 @pytest.mark.parametrize('name', list(TASKS))
 def test_every_task_trains_from_the_table_and_records_its_name(
     name, request, tmp_path):

@@ -363,19 +363,51 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
 @pytest.mark.slow
 def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
                                                           monkeypatch):
-  """Without --alpha the command searches as the run's scores were decoded."""
+  """Without --alpha the command searches as the run's scores were decoded,
+  and so does translate_lines without alpha (the README's five lines)."""
   # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import decoding, translate
+  from flaxformer_mini import decoding, translate, workdir as workdir_lib
   workdir, results = tiny_run
   source = tmp_path / 'source.txt'
   source.write_text('Ein Hund.\n', encoding='utf-8')
   alphas = []
-  monkeypatch.setattr(decoding, 'translate_lines',
-                      lambda *args: alphas.append(args[5]) or [''])
+
+  def search(params, src, config, beam_size, alpha, *rest):
+    alphas.append(alpha)
+    return np.zeros((len(src), rest[0]), np.int32)
+
+  monkeypatch.setattr(decoding, '_beam_search_in_stages', search)
   for flags in ([], ['--alpha=0.3']):
     translate.main([f'--workdir={workdir}', f'--input={source}',
                     '--compilation_cache=', *flags])
-  assert alphas == [results['config']['eval_alpha'], 0.3] == [0.8, 0.3]
+  run = workdir_lib.load_run(str(workdir))
+  decoding.translate_lines(run.params, run.config, run.tokenizer, ['Ein Hund.'])
+  assert alphas == [results['config']['eval_alpha'], 0.3, 0.8] == [0.8, 0.3,
+                                                                   0.8]
+
+
+@pytest.mark.slow
+def test_the_translate_command_samples_per_line_for_a_seed(tiny_run):
+  """--sample: N drawn translations per line on consecutive lines, the same
+  for a seed whatever --batch_size; top_k 1 is the greedy search."""
+  workdir, _ = tiny_run
+  lines = 'Ein Mann fährt Fahrrad.\n\nZwei Hunde spielen im Schnee.\n'
+
+  def translate(*flags):
+    result = subprocess.run(
+        [sys.executable, '-m', 'flaxformer_mini.translate',
+         f'--workdir={workdir}', '--compilation_cache=', *flags],
+        input=lines, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split('\n')[:-1]
+
+  drawn = translate('--sample', '--seed=3', '--num_samples=3')
+  assert len(drawn) == 9 and drawn[3:6] == ['', '', '']
+  assert len(set(drawn[:3] + drawn[6:])) > 2  # the draws differ
+  assert translate('--sample', '--seed=3', '--num_samples=3',
+                   '--batch_size=1') == drawn
+  assert translate('--sample', '--seed=4', '--num_samples=3') != drawn
+  assert translate('--sample', '--top_k=1') == translate('--beam_size=1')
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ class _Evaluator:
     sources, references = self.texts[split]
     started = time.perf_counter()
     hypotheses = translate_lines(params, self.config, self.tokenizer, sources,
-                                 beam_size, self.config.eval_alpha)
+                                 beam_size=beam_size)
     return {**evaluation.bleu(hypotheses, references),
             'beam_size': beam_size, 'sentences': len(sources),
             'seconds': time.perf_counter() - started}

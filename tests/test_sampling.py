@@ -1,0 +1,103 @@
+"""Sampling (search.sample_search, decoding.sample_decode): the same tokens ->
+logits interface as greedy and beam search, a PRNG key in."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_mini import decoding, search
+
+PAD, BOS, EOS, A, B = range(5)
+# A Markov chain over pad, bos, eos, a, b: the probabilities of the next token
+# given the last (as in test_beam_search's).
+CHAIN = np.zeros((5, 5))
+CHAIN[BOS, [EOS, A, B]] = [0.45, 0.5, 0.05]
+CHAIN[A, [EOS, A, B]] = [0.7, 0.2, 0.1]
+CHAIN[B, [EOS, A, B]] = [0.1, 0.1, 0.8]
+
+
+def _chain(tokens, cache):
+  with np.errstate(divide='ignore'):
+    return jnp.asarray(np.log(CHAIN), jnp.float32)[tokens[:, 0]], cache
+
+
+def _draw_from_chain(rows: int, max_len: int, **options):
+  return np.asarray(jax.jit(functools.partial(
+      search.sample_search, _chain, None, batch_size=rows, max_len=max_len,
+      bos_id=BOS, eos_id=EOS, pad_id=PAD, **options))(
+          rng=jax.random.key(7)))
+
+
+def _assert_frequencies(drawn, expected: dict):
+  """Each sequence's share of the rows within 5 standard errors of its
+  probability, and nothing drawn outside `expected`."""
+  rows = len(drawn)
+  seen = {}
+  for row in map(tuple, drawn):
+    seen[row] = seen.get(row, 0) + 1
+  assert set(seen) <= set(expected), set(seen) - set(expected)
+  for sequence, p in expected.items():
+    error = 5 * np.sqrt(p * (1 - p) / rows)
+    assert abs(seen.get(sequence, 0) / rows - p) <= error, (sequence, p)
+
+
+def test_two_tokens_are_drawn_with_the_chains_probabilities():
+  drawn = _draw_from_chain(20_000, max_len=2)
+  _assert_frequencies(drawn, {
+      (EOS, PAD): 0.45, (A, EOS): 0.35, (A, A): 0.1, (A, B): 0.05,
+      (B, EOS): 0.005, (B, A): 0.005, (B, B): 0.04})
+
+
+@pytest.mark.parametrize('options, expected', [
+    # softmax(log p / 2) = sqrt(p), renormalised
+    ({'temperature': 2.0}, np.sqrt([0.45, 0.5, 0.05]) /
+     np.sqrt([0.45, 0.5, 0.05]).sum()),
+    ({'top_k': 2}, [0.45 / 0.95, 0.5 / 0.95, 0.0]),
+    # a (0.5) is kept; eos too, as the mass before it (0.5) is below 0.6;
+    # b is not (0.95 before it)
+    ({'top_p': 0.6}, [0.45 / 0.95, 0.5 / 0.95, 0.0]),
+    ({'top_p': 0.5}, [0.0, 1.0, 0.0]),  # a alone reaches 0.5
+])
+def test_temperature_top_k_and_top_p_reshape_the_distribution(options,
+                                                             expected):
+  drawn = _draw_from_chain(20_000, max_len=1, **options)
+  _assert_frequencies(drawn, {(token,): p for token, p in
+                              zip((EOS, A, B), expected) if p})
+
+
+@pytest.mark.parametrize('options', [{'top_k': 1}, {'temperature': 0.0},
+                                     {'temperature': 1e-4}])
+def test_top_k_one_and_temperature_to_zero_are_greedy(toy_model, options):
+  cfg, params, src = toy_model
+  greedy = decoding.greedy_decode(params, src, cfg, max_len=8)
+  drawn = decoding.sample_decode(params, src, cfg, rng=jax.random.key(3),
+                                 num_samples=3, max_len=8, **options)
+  assert drawn.shape == (4, 3, 8)
+  for sample in range(3):
+    np.testing.assert_array_equal(drawn[:, sample], greedy)
+
+
+def test_samples_differ_and_a_sentences_depend_on_its_key_alone(toy_model):
+  cfg, params, src = toy_model
+  keys = jax.random.split(jax.random.key(1), 4)
+  drawn = np.asarray(decoding.sample_decode(params, src, cfg, rng=keys,
+                                            num_samples=4, max_len=8))
+  assert len({row.tobytes() for row in drawn.reshape(16, 8)}) > 4
+  alone = decoding.sample_decode(params, src[2:3], cfg, rng=keys[2:3],
+                                 num_samples=4, max_len=8)
+  np.testing.assert_array_equal(alone[0], drawn[2])
+
+
+def test_sampling_runs_under_jit_and_vmap_over_temperatures(toy_model):
+  cfg, params, src = toy_model
+  sample = lambda t: decoding.sample_decode(
+      params, src, cfg, rng=jax.random.key(0), max_len=8, temperature=t)
+  temperatures = jnp.array([0.0, 0.5, 1.0])
+  together = jax.jit(jax.vmap(sample))(temperatures)
+  for i, t in enumerate(temperatures):
+    np.testing.assert_array_equal(together[i], sample(t))
+  np.testing.assert_array_equal(
+      together[0, :, 0], decoding.greedy_decode(params, src, cfg, max_len=8))
