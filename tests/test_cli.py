@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -109,17 +110,50 @@ def _readme_python() -> list[str]:
     return re.findall(r'```python\n(.*?)```', f.read(), re.S)
 
 
+# What the README's export block may not import (it says only jax, numpy and
+# sentencepiece load the artifact).
+_REFUSE_THE_PACKAGE = textwrap.dedent('''
+    import importlib.abc, sys
+    class Refuse(importlib.abc.MetaPathFinder):
+      def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in ('flaxformer_mini', 'flax'):
+          raise ImportError(f'{name} may not be imported here')
+    sys.meta_path.insert(0, Refuse())
+''')
+
+
+def _python(code: str, cwd, **env) -> str:
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                          text=True, cwd=cwd, timeout=600,
+                          env=dict(os.environ, **env))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
 @pytest.mark.slow
-def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch):
-  """The README's three Python blocks: a step and the logits of the toy, then
-  translating with a trained workdir (the tiny run's), then decoding under
-  jit, vmap and a mesh, which goes on from the first block's names."""
-  first, translating, decoding = _readme_python()
+def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
+  """The README's Python blocks: a step and the logits of the toy; translating
+  with a trained workdir (the tiny run's); decoding and rescoring in one's
+  own jit, sampling, a search over a bigram table, which go on from the first
+  block's names; the mesh on 8 devices; the exported search, loaded where
+  flaxformer_mini and flax cannot be imported."""
+  first, translating, rescoring, bigram, mesh, exported = _readme_python()
   names = {}
   exec(first, names)  # pylint: disable=exec-used
   assert names['logits'].shape == (2, 4, 11)
   assert set(names['metrics']) >= {'loss_sum', 'ntokens', 'correct'}
-  exec(decoding, names)  # pylint: disable=exec-used
-  assert names['a'].shape[0] == 2 and names['groups'].shape[:2] == (1, 2)
+  exec(rescoring, names)  # pylint: disable=exec-used
+  assert names['drawn'].shape[:2] == (2, 3)
+  assert names['by_temperature'].shape[:3] == (3, 2, 1)
+  exec(bigram, names)  # pylint: disable=exec-used
+  assert _python(
+      '\n'.join([first, rescoring, mesh, 'print(jax.device_count())']), ROOT,
+      XLA_FLAGS='--xla_force_host_platform_device_count=8',
+      JAX_PLATFORMS='cpu').endswith('8\n')
   monkeypatch.chdir(tiny_run[0].parent)
   exec(translating.replace("'runs/translate'", repr(tiny_run[0].name)), {})  # pylint: disable=exec-used
+  subprocess.run([sys.executable, '-m', 'flaxformer_mini.export',
+                  f'--workdir={tiny_run[0]}', f'--out={tmp_path / "exported"}'],
+                 check=True, capture_output=True, cwd=ROOT, timeout=600)
+  printed = _python(_REFUSE_THE_PACKAGE + exported, tmp_path, PYTHONPATH='')
+  assert len(printed.splitlines()) == 1
