@@ -127,7 +127,14 @@ def sample_search(tokens_to_logits: TokensToLogits, cache, *, rng,
     then pad.
   """
   row_keys = keys_per_row(rng, batch_size)
-  check_sizes(**({'top_k': top_k} if top_k else {}))
+  if top_k:
+    check_sizes(top_k=top_k)
+  # Where they are known (not traced), a temperature below 0 or a top_p
+  # outside (0, 1] would draw from no distribution at all.
+  if not isinstance(temperature, jax.core.Tracer) and not temperature >= 0:
+    raise ValueError(f'temperature={temperature}: must be at least 0.')
+  if not isinstance(top_p, jax.core.Tracer) and not 0 < top_p <= 1:
+    raise ValueError(f'top_p={top_p}: must lie in (0, 1].')
 
   def draw(logits, step):
     greedy = jnp.argmax(logits, -1)

@@ -101,3 +101,15 @@ def test_sampling_runs_under_jit_and_vmap_over_temperatures(toy_model):
     np.testing.assert_array_equal(together[i], sample(t))
   np.testing.assert_array_equal(
       together[0, :, 0], decoding.greedy_decode(params, src, cfg, max_len=8))
+
+
+@pytest.mark.parametrize('options, message', [
+    ({'top_p': 0.0}, r'^top_p=0.0: must lie in \(0, 1\]\.$'),
+    ({'temperature': -1.0}, r'^temperature=-1.0: must be at least 0\.$'),
+    ({'top_k': -2}, r'^top_k=-2: must be a positive int'),
+])
+def test_a_distribution_that_cannot_be_drawn_from_is_refused(options, message):
+  with pytest.raises(ValueError, match=message):
+    search.sample_search(_chain, None, rng=jax.random.key(0), batch_size=4,
+                         max_len=1, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+                         **options)
