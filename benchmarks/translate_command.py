@@ -61,8 +61,8 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
   config, params = trained.config, trained.params
   sources = [trained.tokenizer.encode(line) for line in
              _test_sources(data_dir, config, split)]
-  run = functools.partial(translate_ids, params, config, sources, beam,
-                          config.eval_alpha, batch_size)
+  run = functools.partial(translate_ids, params, config, sources,
+                          beam_size=beam, batch_size=batch_size)
   first_s, seconds, outputs = _timed_passes(run)
   one_first_s, one_seconds, one_outputs = _timed_passes(
       functools.partial(run, shrink_batches=False))
