@@ -146,8 +146,9 @@ def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
   assert names['drawn'].shape[:2] == (2, 3)
   assert names['by_temperature'].shape[:3] == (3, 2, 1)
   exec(bigram, names)  # pylint: disable=exec-used
+  sources = re.search(r'^sources = .*?\]\]\)$', rescoring, re.S | re.M)[0]
   assert _python(
-      '\n'.join([first, rescoring, mesh, 'print(jax.device_count())']), ROOT,
+      '\n'.join([first, sources, mesh, 'print(jax.device_count())']), ROOT,
       XLA_FLAGS='--xla_force_host_platform_device_count=8',
       JAX_PLATFORMS='cpu').endswith('8\n')
   monkeypatch.chdir(tiny_run[0].parent)

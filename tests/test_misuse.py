@@ -353,7 +353,7 @@ def test_translating_while_training_saves_every_step_harms_neither(
   # run that saves a checkpoint at every step: the run ends bitwise equal to
   # the same run undisturbed, every step it saved reads back, and every
   # translation is whole.
-  end = 12 + 40
+  end = 12 + 24
   flags = [f'--data_dir={data_slice}', *tiny_translation_flags(
       train_steps=end, checkpoint_every=1, log_every=1, eval_every=100_000,
       keep_checkpoints=1000, average_last=0)]
