@@ -8,6 +8,7 @@ usage block or a traceback.
 import argparse
 import importlib
 import math
+import os
 
 # What `pip install '.[translate]'` adds, by import name (array_record, the
 # prepared data's format, comes with grain, a dependency of every install).
@@ -32,6 +33,24 @@ def missing_translation_extras() -> str | None:
               "install them with pip install -e '.[translate]' (in a clone) "
               "or pip install 'flaxformer_mini[translate]'.")
   return None
+
+
+def load_translation_run(parser, workdir: str, which: str):
+  """The trained translation run in `workdir` (`workdir.load_run`), or the
+  parser's one-line error naming what is missing or damaged there."""
+  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import workdir as workdir_lib
+  from flaxformer_mini.checkpoints import CheckpointError
+  from flaxformer_mini.data import DataError
+  # pylint: enable=g-import-not-at-top
+  vocabulary = workdir_lib.TOKENIZER + '.model'
+  if not os.path.isfile(os.path.join(workdir, vocabulary)):
+    parser.error(f'--workdir={workdir}: no {vocabulary} there; train '
+                 'with train.py --task=translate first.')
+  try:
+    return workdir_lib.load_run(workdir, which)
+  except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
+    parser.error(str(e))
 
 
 def positive_int(text: str) -> int:

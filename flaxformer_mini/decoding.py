@@ -420,7 +420,8 @@ def _length_batches(config: TransformerConfig, sources: list[list[int]],
 def _draw(params, src, members: list[int], config: TransformerConfig,
           sampling: Sampling, max_len: int) -> np.ndarray:
   """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
-  rows = [members[min(row, len(members) - 1)] for row in range(len(src))]
+  # Filler rows past the members repeat the first, as _length_batches fills them.
+  rows = members + members[:1] * (len(src) - len(members))
   keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.key(sampling.seed), jnp.asarray(rows, jnp.uint32))
   return np.asarray(_jit_sample(

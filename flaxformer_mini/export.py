@@ -128,17 +128,9 @@ def main(argv: list[str]) -> None:
   import jax
   import numpy as np
   from flaxformer_mini import workdir as workdir_lib
-  from flaxformer_mini.checkpoints import CheckpointError
-  from flaxformer_mini.data import DataError
   # pylint: enable=g-import-not-at-top
+  run = cli.load_translation_run(parser, args.workdir, args.params)
   vocabulary = workdir_lib.TOKENIZER + '.model'
-  if not os.path.isfile(os.path.join(args.workdir, vocabulary)):
-    parser.error(f'--workdir={args.workdir}: no {vocabulary} there; train '
-                 'with train.py --task=translate first.')
-  try:
-    run = workdir_lib.load_run(args.workdir, args.params)
-  except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
-    parser.error(str(e))
   alpha = run.config.eval_alpha if args.alpha is None else args.alpha
   params = jax.device_get(run.params)
   exported = export_search(params, run.config, beam_size=args.beam_size,

@@ -130,18 +130,9 @@ def main(argv: list[str]) -> None:
   # pylint: disable=g-import-not-at-top
   import jax
   from flaxformer_mini import decoding
-  from flaxformer_mini import workdir as workdir_lib
-  from flaxformer_mini.checkpoints import CheckpointError
   # pylint: enable=g-import-not-at-top
-  vocabulary = workdir_lib.TOKENIZER + '.model'
-  if not os.path.isfile(os.path.join(args.workdir, vocabulary)):
-    parser.error(f'--workdir={args.workdir}: no {vocabulary} there; train '
-                 'with train.py --task=translate first.')
   compilation_cache.use(args.compilation_cache)
-  try:
-    run = workdir_lib.load_run(args.workdir, args.params)
-  except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
-    parser.error(str(e))
+  run = cli.load_translation_run(parser, args.workdir, args.params)
   config = run.config
   if sampling is not None:
     sampling = decoding.Sampling(**sampling)

@@ -105,8 +105,8 @@ def test_copy_task_end_to_end_reaches_exact_match_one(tmp_path):
   assert list((workdir / 'tensorboard').glob('events.out.tfevents.*'))
 
 
-def _readme_python() -> list[str]:
-  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+def _python_blocks(path: str) -> list[str]:
+  with open(os.path.join(ROOT, path), encoding='utf-8') as f:
     return re.findall(r'```python\n(.*?)```', f.read(), re.S)
 
 
@@ -132,12 +132,13 @@ def _python(code: str, cwd, **env) -> str:
 
 @pytest.mark.slow
 def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
-  """The README's Python blocks: a step and the logits of the toy; translating
-  with a trained workdir (the tiny run's); decoding and rescoring in one's
-  own jit, sampling, a search over a bigram table, which go on from the first
-  block's names; the mesh on 8 devices; the exported search, loaded where
-  flaxformer_mini and flax cannot be imported."""
-  first, translating, rescoring, bigram, mesh, exported = _readme_python()
+  """The README's Python blocks (a step and the logits of the toy; translating
+  with a trained workdir, the tiny run's) and docs/library.md's, which go on
+  from the first block's names: decoding and rescoring in one's own jit,
+  sampling, a search over a bigram table, the mesh on 8 devices, the exported
+  search loaded where flaxformer_mini and flax cannot be imported."""
+  first, translating = _python_blocks('README.md')
+  rescoring, bigram, mesh, exported = _python_blocks('docs/library.md')
   names = {}
   exec(first, names)  # pylint: disable=exec-used
   assert names['logits'].shape == (2, 4, 11)
