@@ -32,9 +32,12 @@ class FeedForward(nn.Module):
     dense = functools.partial(nn.Dense, dtype=cfg.dtype,
                               dot_general=cpu_kernels.dot_general_for(cfg))
     hidden = nn.relu(dense(cfg.d_ff, name='wi')(x))
+    self.sow('intermediates', 'hidden', hidden)
     hidden = nn.Dropout(cfg.relu_dropout_rate)(hidden,
                                                deterministic=deterministic)
-    return dense(cfg.d_model, name='wo')(hidden)
+    output = dense(cfg.d_model, name='wo')(hidden)
+    self.sow('intermediates', 'output', output)
+    return output
 
 
 class AddAndNorm(nn.Module):

@@ -286,7 +286,8 @@ def _draw_encoder(draw: _Drawing, x: float, layers: int) -> None:
                 f'{block}/self_attention/output', 'encoder/embedded')
   draw.flow(x, 6.9, 8.3, f'{block}/after_self_attention')
   draw.sublayer(x, 8.3, 'Feed\nForward', 'feed',
-                residual=f'{block}/after_self_attention')
+                f'{block}/feed_forward/output',
+                f'{block}/after_self_attention')
 
 
 def _draw_decoder(draw: _Drawing, x: float, layers: int) -> None:
@@ -307,11 +308,16 @@ def _draw_decoder(draw: _Drawing, x: float, layers: int) -> None:
                 f'{block}/after_self_attention', side=1)
   draw.flow(x, 10.4, 11.9, f'{block}/after_cross_attention')
   draw.sublayer(x, 11.9, 'Feed\nForward', 'feed',
-                residual=f'{block}/after_cross_attention')
+                f'{block}/feed_forward/output',
+                f'{block}/after_cross_attention')
   draw.flow(x, 13.4, 15.0, f'decoder/layer_{layers - 1}/after_feed_forward')
   draw.box(x, 15.0, 'Linear', 'out')
   draw.flow(x, 15.0, 16.2, 'logits')
   draw.box(x, 16.2, 'Softmax', 'out')
+  draw.line([x, x], [16.65, 16.85])
+  # Not a stop: the model returns logits; softmax(logits) has their shape.
+  draw.label(x + 0.12, 16.75, 'softmax(logits) ' +
+             draw.shape('logits').split(' ', 1)[1])
   draw.axis.text(x, 17.0, 'Output Probabilities', ha='center', fontsize=9)
 
 

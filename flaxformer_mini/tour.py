@@ -40,6 +40,7 @@ _AXES = {
     'weights': '[batch, heads, {q}, {k}]',
     'heads': '[batch, heads, {q}, d_k]',
     'concatenated': '[batch, {q}, heads * d_k = d_model]',
+    'hidden': '[batch, {q}, d_ff]',
     'output': '[batch, {q}, d_model]',
     'after_self_attention': '[batch, {q}, d_model]',
     'after_cross_attention': '[batch, {q}, d_model]',
@@ -91,7 +92,7 @@ def _axes(path: tuple[str, ...]) -> str:
 
 # Within a layer, blocks run in this order; within a block, tensors in _AXES's.
 _BLOCKS = ('self_attention', 'after_self_attention', 'cross_attention',
-           'after_cross_attention', 'after_feed_forward')
+           'after_cross_attention', 'feed_forward', 'after_feed_forward')
 
 
 def _forward_order(path: tuple[str, ...]):
@@ -116,7 +117,8 @@ def tensor_tour(config: TransformerConfig, params, batch: Batch) -> list[Stop]:
     The Stops: the batch's src, tgt_in, src_mask and tgt_mask; then for the
     encoder and the decoder their token embeddings, positional encoding and
     sum, and per layer each attention block's query/key/value/scores/weights/
-    heads/concatenated/output and each sublayer's output; then the logits.
+    heads/concatenated/output, the feed-forward block's hidden (relu) layer
+    and output, and each Add & Norm's output; then the logits.
   """
   def forward(params, batch):
     return Transformer(config).apply(

@@ -37,6 +37,8 @@ def test_the_walkthrough_shapes(stops):
       'decoder/layer_1/cross_attention/query': (2, 2, 2, 4),
       'decoder/layer_1/cross_attention/key': (2, 2, 3, 4),
       'decoder/layer_1/cross_attention/weights': (2, 2, 2, 3),
+      'decoder/layer_1/feed_forward/hidden': (2, 2, 16),
+      'decoder/layer_1/feed_forward/output': (2, 2, 8),
       'decoder/layer_1/after_feed_forward': (2, 2, 8),
       'logits': (2, 2, 11),
   }
@@ -56,6 +58,9 @@ def test_the_tour_runs_in_forward_order(toy_config, toy_params):
   order = ['batch/src', 'encoder/token_embedding', 'encoder/embedded',
            'encoder/layer_0/self_attention/query',
            'encoder/layer_0/self_attention/weights',
+           'encoder/layer_0/after_self_attention',
+           'encoder/layer_0/feed_forward/hidden',
+           'encoder/layer_0/feed_forward/output',
            'encoder/layer_0/after_feed_forward', 'encoder/layer_1/after_feed_forward',
            'decoder/embedded', 'decoder/layer_0/self_attention/output',
            'decoder/layer_0/after_self_attention',

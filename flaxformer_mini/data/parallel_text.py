@@ -19,6 +19,8 @@ TensorFlow at training time.
 import contextlib
 import hashlib
 import importlib.util
+import io
+import logging
 import os
 
 import tensorflow_datasets as tfds
@@ -208,9 +210,31 @@ def load_local(files: dict[str, tuple[str, str]], languages: tuple[str, str],
   builder = LocalParallelText(
       files=files, languages=languages, data_dir=tfds_dir,
       config=tfds.core.BuilderConfig(name=name), file_format='array_record')
-  with _in_memory_shuffle():
+  with _in_memory_shuffle(), _without_download_notes():
     builder.download_and_prepare()
   return builder.as_data_source()
+
+
+class _LocalConfigNote(logging.Filter):
+  """TFDS's absl warning that a builder has a custom configuration: ours
+  always has one, named for the files' fingerprint."""
+
+  def filter(self, record):
+    return 'Using custom data configuration' not in record.getMessage()
+
+
+_LOCAL_CONFIG_NOTE = _LocalConfigNote()
+
+
+@contextlib.contextmanager
+def _without_download_notes():
+  """TFDS prints "Downloading and preparing dataset Unknown size ... to
+  DIR" and "downloaded and prepared to DIR" on stdout for every builder;
+  for files already on this machine nothing is downloaded, so those two
+  lines are dropped (its progress bars stay: a large corpus takes minutes)."""
+  logging.getLogger('absl').addFilter(_LOCAL_CONFIG_NOTE)  # added once
+  with contextlib.redirect_stdout(io.StringIO()):
+    yield
 
 
 @contextlib.contextmanager
