@@ -297,9 +297,12 @@ def train(config: TransformerConfig, state: TrainState, rng,
   with contextlib.ExitStack() as stack:
     if signals is None:
       signals = stack.enter_context(SignalCatcher())
+    # One bar, on process 0; left to tqdm's default there, so that
+    # TQDM_DISABLE=1 in the environment turns it off.
+    quiet = {'disable': True} if jax.process_index() > 0 else {}
     logger = _Logger(config, log, stack.enter_context(tqdm.tqdm(
         total=config.train_steps, initial=on_device.done, unit='step',
-        dynamic_ncols=True, disable=jax.process_index() > 0)),
+        dynamic_ncols=True, **quiet)),
                      on_device.done, started)
     stack.enter_context(signals.deferred())
     if checkpoints is not None:  # before the signals stop being deferred

@@ -43,7 +43,13 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, request, monkeypatch):
                 'on no later one', 'the library agrees at both steps',
                 'the cache holds the keys and values of one teacher-forced pass',
                 'position by position', 'they part at output position',
-                'one fixed rotation of PE[p]'):
+                'one fixed rotation of PE[p]',
+                'post-norm, LayerNorm(x + Sublayer(x))', 'pre-norm: the block returns',
+                'and its Add & Norm after it', 'one parameter, three uses',
+                'embeddings + positions (dropout_rate)', 'the update is the gradient of that per-token mean',
+                'contributes nothing to the loss', 'peak at step 4000',
+                'zero up to', 'each position now depends on the later ones',
+                'the trained copy model: beam 2 and greedy agree', 'tokens copied right'):
     assert claim in outputs, claim
   images = [o for cell in notebook.cells if cell.cell_type == 'code'
             for o in cell.outputs if 'image/png' in o.get('data', {})]
@@ -53,3 +59,5 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, request, monkeypatch):
     assert any('image/png' in o.get('data', {}) for o in cell.outputs), drawing
   if os.path.isdir(MULTI30K):
     assert 'lowercased' in outputs and 'pieces' in outputs
+    assert 'the same pieces and ids, sides traded' in outputs
+    assert 'QUICK: 2 steps by design' in outputs  # an untrained model, said so

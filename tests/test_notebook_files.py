@@ -96,3 +96,29 @@ def test_the_install_cell_says_what_to_do_when_pip_cannot_install(tmp_path):
   assert ran.stderr.strip().splitlines()[-1] == (
       f'pip could not install flaxformer_mini[translate] @ git+file://{tmp_path}/nowhere (its '
       'message is above): check the internet connection and REPO_URL, then run this cell again.')
+
+
+def test_setup_and_for_the_curious_cells_are_colab_forms():
+  """Colab shows a form cell's title and output, its code only on a double click."""
+  notebook = nbformat.read(build.NOTEBOOK, as_version=4)
+  titled = [c for c in notebook.cells if c.cell_type == 'code' and c.source.startswith('# @title')]
+  assert {c.source.split('\n', 1)[0] for c in titled} >= {'# @title Install', '# @title Settings'}
+  assert any('For the curious' in c.source.split('\n', 1)[0] for c in titled)
+  assert all(c.metadata.get('cellView') == 'form' for c in titled)
+
+
+def test_the_executed_copy_shows_a_trained_translator_and_no_machine():
+  """The copy a GitHub reader sees: section 11 in full mode (no QUICK notice), no path of
+  the machine that made it, no progress bars."""
+  executed = nbformat.read(build.EXECUTED, as_version=4)
+  texts = '\n'.join(output.get('text', '') + ''.join(output.get('data', {}).get('text/plain', ''))
+                    for cell in executed.cells if cell.cell_type == 'code'
+                    for output in cell.outputs)
+  assert 'QUICK:' not in texts and 'trained ' in texts and 'epochs) within the' in texts
+  for machine in (ROOT, '/tmp/', '/home/', 'site-packages', 'IProgress', 'step/s',
+                  'Downloading and preparing'):
+    assert machine not in texts, machine
+  command = next(c for c in executed.cells if 'the translate command:' in c.source)
+  said = ''.join(o.get('text', '') for o in command.outputs)
+  translation = said.split('the translate command:', 1)[1].strip().strip("'\"")
+  assert len(set(translation.split())) >= 4, said  # a sentence, not one piece repeated

@@ -207,6 +207,7 @@ def load_local(files: dict[str, tuple[str, str]], languages: tuple[str, str],
   """
   check_folder(tfds_dir, '--tfds_dir')
   name = f'{"-".join(sorted(languages))}-{content}'
+  logging.getLogger('absl').addFilter(_LOCAL_CONFIG_NOTE)  # added once
   builder = LocalParallelText(
       files=files, languages=languages, data_dir=tfds_dir,
       config=tfds.core.BuilderConfig(name=name), file_format='array_record')
@@ -231,8 +232,8 @@ def _without_download_notes():
   """TFDS prints "Downloading and preparing dataset Unknown size ... to
   DIR" and "downloaded and prepared to DIR" on stdout for every builder;
   for files already on this machine nothing is downloaded, so those two
-  lines are dropped (its progress bars stay: a large corpus takes minutes)."""
-  logging.getLogger('absl').addFilter(_LOCAL_CONFIG_NOTE)  # added once
+  lines are dropped (its progress bars stay: a large corpus takes minutes;
+  TQDM_DISABLE=1 hides them)."""
   with contextlib.redirect_stdout(io.StringIO()):
     yield
 
