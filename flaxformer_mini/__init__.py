@@ -8,9 +8,11 @@ Figure 1, box by box:
 and around it: config, masks (the Batch), losses, schedules, training (the
 pure steps), parallel, loop (the training loop), run (a run's life in its
 workdir), checkpoints, workdir, search (greedy and beam search over any
-model), decoding (the Transformer's), evaluation, data/ (prepared: a corpus
-prepared once; prefetch: batches made ahead), tasks/ (the table of tasks;
-train_copy, train_translation), translate (the command), tour, plots,
+model), decoding (the Transformer's), translation (many sentences on the
+host), evaluation, data/ (prepared: a corpus prepared once; prefetch:
+batches made ahead), tasks/ (the table of tasks; train_copy,
+train_translation), translate (the command), export and to_ctranslate2 (a
+trained run for other programs: jax.export, CTranslate2), tour, plots,
 logbook, cli, compilation_cache; cpu_kernels is the opt-in CPU seam.
 
 The names below are imported from their modules on first use (PEP 562), so
@@ -27,8 +29,8 @@ _HOMES = {
     'get_config': 'config',
     'beam_decode': 'decoding', 'greedy_decode': 'decoding',
     'init_cache': 'decoding', 'transformer_tokens_to_logits': 'decoding',
-    'translate_lines': 'decoding', 'sample_decode': 'decoding',
-    'Sampling': 'decoding',
+    'sample_decode': 'decoding',
+    'Sampling': 'translation', 'translate_lines': 'translation',
     'Batch': 'masks', 'make_batch': 'masks', 'padding_mask': 'masks',
     'target_mask': 'masks',
     'Transformer': 'model',

@@ -4,18 +4,12 @@ The encoder runs once over the source; the cross-attention keys and values of
 its output are projected once; then the decoder runs one token at a time,
 reading and extending its key/value cache, inside the model-agnostic searches
 of `search.py`: `greedy_decode`, `sample_decode` and `beam_decode` are those
-searches with Transformer(config). They are plain traceable functions, so other JAX code
-calls them under jax.jit, vmap or a mesh.
-
-`translate_ids` and `translate_lines` decode many sentences at once, as the
-translate command and a run's evaluations do: sorted by length into
-batches, with the sentences whose beam search has ended leaving their batch
-on the way.
+searches with Transformer(config). They are plain traceable functions, so
+other JAX code calls them under jax.jit, vmap or a mesh. Translating many
+sentences on the host (batches by length, stages, compiled programs kept per
+shape) is `translation.py`.
 """
 
-import dataclasses
-import os
-import resource
 from typing import Callable
 
 import jax
@@ -26,13 +20,9 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.search import (BeamSearchResult, BeamState,
-                                    TokensToLogits, beam_search,
-                                    check_sizes, expand_to_beams, greedy_search,
-                                    keys_per_row,
-                                    run_beam_search, sample_search,
-                                    start_beam_search, take_items)
-
-
+                                    TokensToLogits, beam_search, check_sizes,
+                                    expand_to_beams, greedy_search,
+                                    keys_per_row, sample_search)
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_len: int):
@@ -133,8 +123,8 @@ def check_src(src, config: TransformerConfig) -> None:
           '(encode with the run\'s own vocabulary).')
 
 
-def _encoded_for_search(params, src, config: TransformerConfig, max_len: int,
-                        beams: int = 1):
+def encoded_for_search(params, src, config: TransformerConfig, max_len: int,
+                       beams: int = 1):
   """What a search needs from Transformer(config) for the sources src.
 
   src: int32[batch, src_len]. Runs the encoder once -> (tokens_to_logits for
@@ -169,7 +159,7 @@ def greedy_decode(params, src, config: TransformerConfig, *,
     int32[batch, max_len] output ids: the tokens, eos, then pad.
   """
   max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len)
+  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len)
   return greedy_search(tokens_to_logits, cache, batch_size=src.shape[0],
                        max_len=max_len, bos_id=config.bos_id,
                        eos_id=config.eos_id, pad_id=config.pad_id)
@@ -192,6 +182,7 @@ def default_max_len(config: TransformerConfig, src_len: int) -> int:
 def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
                 n_best: int = 1, finished_first: bool = True,
+                stopping: str = 'exact',
                 on_step: Callable[[BeamState], None] | None = None
                 ) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.
@@ -208,9 +199,11 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
       its token ids, then eos, then pad to the row's end (an id past the
       source vocabulary is refused where src is known, outside jit).
     config: the model's config.
-    beam_size, alpha, max_len, n_best, finished_first, on_step: see
-      `beam_search`. Under jax.jit, config, beam_size, max_len and n_best
-      are static (shapes); alpha may be traced.
+    beam_size, alpha, max_len, n_best, finished_first, stopping, on_step:
+      see `beam_search` ('exact' here, as a library call that wants the most
+      probable output; the translate command and evaluations use the run's
+      config.eval_stopping). Under jax.jit, config, beam_size, max_len,
+      n_best and stopping are static; alpha may be traced.
 
   Returns:
     BeamSearchResult: sequences int32[batch, n_best, max_len], scores
@@ -219,13 +212,13 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
   """
   check_sizes(beam_size=beam_size)  # before the encoder output is repeated
   max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, cache = _encoded_for_search(params, src, config, max_len,
+  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len,
                                                 beam_size)
   return beam_search(
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
-      finished_first=finished_first, on_step=on_step)
+      finished_first=finished_first, stopping=stopping, on_step=on_step)
 
 
 def sample_decode(params, src, config: TransformerConfig, *, rng,
@@ -250,7 +243,7 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
   """
   check_sizes(num_samples=num_samples)
   max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, _ = _encoded_for_search(params, src, config, max_len,
+  tokens_to_logits, _ = encoded_for_search(params, src, config, max_len,
                                             num_samples)
   rows = src.shape[0] * num_samples
   keys = jax.vmap(lambda key: jax.random.split(key, num_samples))(
@@ -261,240 +254,3 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
       bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id,
       temperature=temperature, top_k=top_k, top_p=top_p)
   return tokens.reshape(src.shape[0], num_samples, max_len)
-
-
-# The translation of many sentences: the translate command and evaluations.
-
-
-def _start_beams(config: TransformerConfig, batch_size: int, beam_size: int,
-                 max_len: int) -> BeamState:
-  """Transformer(config)'s beam search before its first step."""
-  check_max_len(config, max_len)
-  return start_beam_search(init_cache(config, batch_size, max_len),
-                           batch_size=batch_size, beam_size=beam_size,
-                           max_len=max_len, bos_id=config.bos_id,
-                           pad_id=config.pad_id)
-
-
-def _run_beams(params, src, state: BeamState, config: TransformerConfig,
-               alpha: float, until_searching: int,
-               finished_first: bool) -> BeamState:
-  """`run_beam_search` with Transformer(config) on the sources src, one row
-  per item of `state` (after `take_items`, the sources of the items kept).
-  The encoder runs on src again, once per stage: one pass, cheap next to the
-  decoder's steps."""
-  beams = state.live_log_probs.shape[1]
-  tokens_to_logits, _ = _encoded_for_search(params, src, config,
-                                            state.max_len, beams)
-  return run_beam_search(
-      tokens_to_logits, state, alpha=alpha, bos_id=config.bos_id,
-      eos_id=config.eos_id, pad_id=config.pad_id,
-      until_searching=until_searching, finished_first=finished_first)
-
-
-# One jitted program per shape for the process: a later call (the next
-# evaluation, the next input) with the same shapes reuses the compiled one.
-_jit_greedy = jax.jit(greedy_decode, static_argnames=('config', 'max_len'))
-_jit_sample = jax.jit(sample_decode, static_argnames=(
-    'config', 'num_samples', 'max_len', 'top_k'))
-_jit_start_beams = jax.jit(_start_beams, static_argnums=(0, 1, 2, 3))
-_jit_run_beams = jax.jit(_run_beams, static_argnames=(
-    'config', 'alpha', 'until_searching', 'finished_first'))
-_jit_take_items = jax.jit(take_items)
-
-
-def search_bytes(config: TransformerConfig, batch_size: int,
-                 beam_size: int) -> int:
-  """About how much device memory a beam search of `batch_size` sources of
-  up to config.max_len tokens takes with `beam_size` beams.
-
-  Per beam row: the key/value caches of self- and cross-attention (the
-  self-attention cache twice, as it is reordered with the beams), float32
-  logits, log-probabilities and candidates over the vocabulary, and the
-  live, finished and candidate sequences.
-  """
-  rows = batch_size * beam_size
-  itemsize = jnp.dtype(config.dtype).itemsize
-  layer_cache = 2 * config.max_len * config.d_model * itemsize  # keys, values
-  per_row = (config.num_decoder_layers * layer_cache * 3 +
-             3 * config.tgt_vocab_size * 4 + 8 * (config.max_len + 1) * 4)
-  return rows * per_row
-
-
-def device_memory_bytes() -> int | None:
-  """The memory of this process's first device (a CPU's: the host's, within
-  the process's address-space limit), or None where it is not known."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
-  if stats and stats.get('bytes_limit'):
-    return int(stats['bytes_limit'])
-  if device.platform != 'cpu':
-    return None
-  limits = [os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')]
-  address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
-  if address_space != resource.RLIM_INFINITY:
-    limits.append(address_space)
-  return min(limits)
-
-
-def _next_rows(rows: int) -> int:
-  """The rows of the next stage: a quarter, rounded up to a multiple of 8
-  (0: this stage is the last).
-
-  A quarter, not a half: each stage's batch shape is one more program to
-  compile, and on the Multi30k test set 64 -> 16 rows saves almost all that
-  64 -> 32 -> 16 -> 8 does (docs/multi30k.md).
-  """
-  return 0 if rows <= 16 else -(-rows // 32) * 8
-
-
-def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
-                           beam_size: int, alpha: float, max_len: int,
-                           shrink: bool, finished_first: bool) -> np.ndarray:
-  """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
-
-  One beam search in stages: once no more than a quarter of its items are
-  still searching, the finished ones are collected and the rest go on alone
-  in a batch a quarter the size, so sentences that end early stop paying for
-  the slowest one. Each item's result is the one-batch search's (an item's
-  search never looks at another's). shrink=False: one stage.
-  """
-  best = np.zeros((src.shape[0], max_len), np.int32)
-  owner = np.arange(src.shape[0])  # the source row of each state row
-  state = _jit_start_beams(config, src.shape[0], beam_size, max_len)
-  while True:
-    rows = _next_rows(len(owner)) if shrink else 0
-    state = _jit_run_beams(params, src[owner], state, config, alpha,
-                           until_searching=rows, finished_first=finished_first)
-    finished = np.asarray(state.finished_sequences[:, 0, 1:])
-    ended = np.asarray(state.done) | (int(state.step) >= max_len) | (rows == 0)
-    best[owner[ended]] = finished[ended]
-    searching = np.flatnonzero(~ended)
-    if not len(searching):
-      return best
-    # Filler rows repeat a searching item: the same search, the same result.
-    keep = np.resize(searching, rows)
-    state = _jit_take_items(state, keep)
-    owner = owner[keep]
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """Translations drawn from the model instead of searched (`sample_decode`).
-
-  Sentence i of a call draws with the key fold_in(key(seed), i): its samples
-  are the same whatever the batch it lands in.
-  """
-  seed: int = 0
-  num_samples: int = 1  # translations per sentence
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-
-def _length_batches(config: TransformerConfig, sources: list[list[int]],
-                    batch_size: int):
-  """The non-empty sources sorted by length into batches: yields (members,
-  src int32[batch_size, length]), member r's ids + eos in row r.
-
-  Lengths are rounded up to multiples of 16 to bound the number of shapes,
-  hence of programs to compile; rows past the last member repeat the first
-  (their outputs are dropped); sources longer than config.max_len - 1 are
-  cut there.
-  """
-  limit = config.max_len - 1  # room for eos
-  order = sorted((i for i, ids in enumerate(sources) if len(ids)),
-                 key=lambda i: len(sources[i]))
-  for start in range(0, len(order), batch_size):
-    members = order[start:start + batch_size]
-    longest = min(max(len(sources[i]) for i in members) + 1, config.max_len)
-    length = min(-(-longest // 16) * 16, config.max_len)
-    src = np.full((batch_size, length), config.pad_id, np.int32)
-    for row in range(batch_size):
-      member = members[row] if row < len(members) else members[0]
-      ids = list(sources[member][:limit]) + [config.eos_id]
-      src[row, :len(ids)] = ids
-    yield members, src
-
-
-def _draw(params, src, members: list[int], config: TransformerConfig,
-          sampling: Sampling, max_len: int) -> np.ndarray:
-  """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
-  # Filler rows past the members repeat the first, as _length_batches fills them.
-  rows = members + members[:1] * (len(src) - len(members))
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(
-      jax.random.key(sampling.seed), jnp.asarray(rows, jnp.uint32))
-  return np.asarray(_jit_sample(
-      params, src, config, rng=keys, num_samples=sampling.num_samples,
-      max_len=max_len, temperature=sampling.temperature, top_k=sampling.top_k,
-      top_p=sampling.top_p))
-
-
-def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
-                  *, beam_size: int = 4, alpha: float | None = None,
-                  batch_size: int = 64, shrink_batches: bool = True,
-                  finished_first: bool = True,
-                  sampling: Sampling | None = None) -> list[list[int]]:
-  """The best translation of each source (token ids, no eos), in order.
-
-  Each source is its token ids without eos (eos and pad are added here).
-  alpha None: the config's eval_alpha, as the translate command and a
-  run's evaluations decode.
-
-  Sources are sorted by length into batches of `batch_size`, so that the
-  sentences of a batch are padded little and tend to end at similar steps
-  (`_length_batches`). With shrink_batches the sentences whose beam search
-  has ended leave their batch on the way (`_beam_search_in_stages`): the
-  same translations as one stage (shrink_batches=False), 1.4x faster on the
-  Multi30k test set once compiled, for a second program per batch shape.
-  beam_size 1 is greedy search; finished_first: see `beam_search`. With
-  `sampling`, translations are drawn instead, sampling.num_samples per
-  source, consecutive in the list returned. An empty source gives an empty
-  translation; sources longer than config.max_len - 1 are cut there.
-  """
-  alpha = config.eval_alpha if alpha is None else alpha
-  draws = sampling.num_samples if sampling else 1
-  # Parameters of any origin (a host copy, as averaging gives, or a training
-  # state's device copy) become arrays on one device: a jitted program is
-  # compiled per placement of its arguments, and is reused only for the same.
-  params = jax.device_put(params, jax.local_devices()[0])
-  outputs = [[] for _ in range(len(sources) * draws)]
-  for members, src in _length_batches(config, sources, batch_size):
-    max_len = default_max_len(config, src.shape[1])
-    if sampling:
-      best = _draw(params, src, members, config, sampling, max_len)
-    elif beam_size == 1:
-      best = np.asarray(_jit_greedy(params, src, config, max_len=max_len))
-    else:
-      best = _beam_search_in_stages(params, src, config, beam_size, alpha,
-                                    max_len, shrink_batches, finished_first)
-    best = best.reshape(len(src), draws, max_len)
-    for row, i in enumerate(members):
-      for draw in range(draws):
-        outputs[i * draws + draw] = tokens_before_eos(
-            best[row, draw], config.eos_id, config.pad_id)
-  return outputs
-
-
-def translate_lines(params, config: TransformerConfig, tokenizer,
-                    lines: list[str], *, beam_size: int = 4,
-                    alpha: float | None = None, batch_size: int = 64,
-                    warn=None, finished_first: bool = True,
-                    sampling: Sampling | None = None) -> list[str]:
-  """Translations of `lines`, in order; '' for an empty line.
-
-  tokenizer: the run's sentencepiece.SentencePieceProcessor (`load_run`).
-  Sources longer than config.max_len - 1 tokens are cut there and reported
-  through `warn(line_number, length)`. See translate_ids for the search:
-  alpha None is the config's eval_alpha, as the translate command uses; with
-  `sampling`, sampling.num_samples translations per line, consecutive.
-  """
-  encoded = [tokenizer.encode(line.strip()) if line.strip() else []
-             for line in lines]
-  for number, ids in enumerate(encoded, start=1):
-    if len(ids) > config.max_len - 1 and warn is not None:
-      warn(number, len(ids))
-  return [tokenizer.decode(ids) for ids in translate_ids(
-      params, config, encoded, beam_size=beam_size, alpha=alpha,
-      batch_size=batch_size, finished_first=finished_first,
-      sampling=sampling)]

@@ -26,6 +26,7 @@ import os
 import shutil
 
 from flaxformer_mini import cli
+from flaxformer_mini.config import STOPPING_RULES
 
 ARTIFACT = 'search.jax_export'
 PARAMS = 'params.npz'
@@ -34,7 +35,8 @@ PLATFORMS = ('cpu', 'cuda', 'tpu')
 
 
 def export_search(params, config, *, beam_size: int = 4,
-                  alpha: float | None = None, platforms=PLATFORMS):
+                  alpha: float | None = None, stopping: str | None = None,
+                  platforms=PLATFORMS):
   """Transformer(config)'s beam search as a jax.export.Exported.
 
   It takes (the parameters' leaves, in jax.tree.leaves order; src
@@ -44,7 +46,8 @@ def export_search(params, config, *, beam_size: int = 4,
   lengths int32[batch] (eos included), reached_eos bool[batch], where
   max_len = min(src_len + 50, config.max_len) as beam_decode's default.
   batch and src_len are symbolic: one export serves every shape. alpha
-  None: the config's eval_alpha, as the translate command decodes.
+  and stopping None: the config's eval_alpha and eval_stopping, as the
+  translate command decodes.
   """
   # pylint: disable=g-import-not-at-top
   import jax
@@ -53,6 +56,7 @@ def export_search(params, config, *, beam_size: int = 4,
   from flaxformer_mini import decoding
   # pylint: enable=g-import-not-at-top
   alpha = config.eval_alpha if alpha is None else alpha
+  stopping = config.eval_stopping if stopping is None else stopping
   leaves, treedef = jax.tree.flatten(params)
 
   def search(leaves, src):
@@ -61,7 +65,7 @@ def export_search(params, config, *, beam_size: int = 4,
     max_len = jax.core.min_dim(src.shape[1] + 50, config.max_len)
     best = decoding.beam_decode(
         jax.tree.unflatten(treedef, leaves), src, config, beam_size=beam_size,
-        alpha=alpha, max_len=max_len)
+        alpha=alpha, max_len=max_len, stopping=stopping)
     return (best.sequences[:, 0], best.scores[:, 0], best.lengths[:, 0],
             best.reached_eos[:, 0])
 
@@ -72,7 +76,7 @@ def export_search(params, config, *, beam_size: int = 4,
       jax.ShapeDtypeStruct((batch, src_len), jnp.int32))
 
 
-def signature(config, beam_size: int, alpha: float) -> dict:
+def signature(config, beam_size: int, alpha: float, stopping: str) -> dict:
   """What signature.json says: the inputs, the outputs, the ids, the search."""
   return {
       'call': 'exported.call(params, src)',
@@ -98,7 +102,8 @@ def signature(config, beam_size: int, alpha: float) -> dict:
           'src_len)'),
       'max_len': config.max_len, 'pad_id': config.pad_id,
       'bos_id': config.bos_id, 'eos_id': config.eos_id,
-      'beam_size': beam_size, 'alpha': alpha, 'platforms': list(PLATFORMS),
+      'beam_size': beam_size, 'alpha': alpha, 'stopping': stopping,
+      'platforms': list(PLATFORMS),
   }
 
 
@@ -114,6 +119,9 @@ def main(argv: list[str]) -> None:
   parser.add_argument('--alpha', type=cli.finite_float,
                       help="default: the run's eval_alpha, as the translate "
                       'command decodes.')
+  parser.add_argument('--stopping', choices=STOPPING_RULES,
+                      help="default: the run's eval_stopping, as the "
+                      'translate command decodes.')
   args = parser.parse_args(argv)
   if missing := cli.missing_translation_extras():
     parser.error(missing)
@@ -132,9 +140,10 @@ def main(argv: list[str]) -> None:
   run = cli.load_translation_run(parser, args.workdir, args.params)
   vocabulary = workdir_lib.TOKENIZER + '.model'
   alpha = run.config.eval_alpha if args.alpha is None else args.alpha
+  stopping = run.config.eval_stopping if args.stopping is None else args.stopping
   params = jax.device_get(run.params)
   exported = export_search(params, run.config, beam_size=args.beam_size,
-                           alpha=alpha)
+                           alpha=alpha, stopping=stopping)
   try:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, ARTIFACT), 'wb') as f:
@@ -143,7 +152,8 @@ def main(argv: list[str]) -> None:
     shutil.copyfile(os.path.join(args.workdir, vocabulary),
                     os.path.join(args.out, vocabulary))
     with open(os.path.join(args.out, SIGNATURE), 'w', encoding='utf-8') as f:
-      json.dump(signature(run.config, args.beam_size, alpha), f, indent=1)
+      json.dump(signature(run.config, args.beam_size, alpha, stopping), f,
+                indent=1)
   except OSError as e:
     parser.error(f'--out={args.out}: cannot be written ({e.strerror}).')
   print(f'exported the search of {args.workdir} (step {run.step}, '

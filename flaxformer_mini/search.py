@@ -22,6 +22,8 @@ import jax
 import jax.export
 import jax.numpy as jnp
 
+from flaxformer_mini.config import STOPPING_RULES
+
 # (int32[rows, 1] the last tokens, cache) -> (float[rows, vocab] logits, cache)
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -247,7 +249,7 @@ class BeamState:
   finished_scores: jax.Array     # float32[batch, beams]: log p / lp; -inf: empty
   finished_lengths: jax.Array    # int32[batch, beams]: tokens, eos included
   finished_eos: jax.Array        # bool[batch, beams]: False: cut at max_len
-  done: jax.Array                # bool[batch]: no live one can beat the finished
+  done: jax.Array                # bool[batch]: ended by the stopping rule
   cache: Any                     # the decoder's cache, [batch * beams, ...] leaves
   max_len: int = flax.struct.field(pytree_node=False)  # positions to generate
 
@@ -287,7 +289,7 @@ def _gather_cache(cache, beam_indices):
 def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                 beam_size: int, max_len: int, alpha: float, bos_id: int,
                 eos_id: int, pad_id: int, n_best: int = 1,
-                finished_first: bool = True,
+                finished_first: bool = True, stopping: str = 'exact',
                 on_step: Callable[[BeamState], None] | None = None
                 ) -> BeamSearchResult:
   """Beam search with a live and a finished pool, all in one lax.while_loop.
@@ -300,9 +302,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   the finished pool too, flagged `reached_eos=False`, with the same scoring;
   by default (finished_first) they rank below every hypothesis that reached
   eos, as in the Flax WMT example and T5X.
-  An item is done once no live hypothesis can still beat its worst finished
-  one (see `_cannot_improve`); the loop stops when every item of the batch is
-  done (or at max_len), so a batch runs as long as its slowest item.
+  When an item is done is the `stopping` rule's choice (STOPPING_RULES); the
+  loop stops when every item of the batch is done (or at max_len), so a batch
+  runs as long as its slowest item.
 
   The search is three calls, start -> run -> result; a caller that wants the
   items that are done to leave on the way runs it in stages instead
@@ -327,6 +329,21 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
       cut at max_len, so a cut one is returned only where fewer than n_best
       reached eos (the Flax WMT example's and T5X's rule). False: both kinds
       are ranked by score alone, so a cut hypothesis may come first.
+    stopping: when an item is done (every rule also stops where the exact
+      one does):
+      'exact': no live hypothesis can still beat the n_best-th finished one,
+        whatever length it ends at (its log p over the largest length
+        penalty it could reach; the Flax WMT example's and GNMT's bound).
+        The result is then the one an endless search would return.
+      'beam_finished': beam_size hypotheses have finished (fairseq's rule,
+        and CTranslate2's with a length penalty).
+      'current_length': the n_best-th finished one beats the best live
+        hypothesis scored at its current length (Hugging Face's
+        early_stopping=False): as if nothing live would grow longer.
+      The default is 'exact' here and in the translate command: on the
+      Multi30k en->de recipe the two others searched 1.4-1.7x faster but
+      changed 1-11 % of the translations and lost 0.1-0.5 BLEU
+      (docs/performance.md, "Stopping rules").
     on_step: for watching the search, e.g. in the notebook: called on the
       host (jax.debug.callback) after every step with that step's BeamState
       (its cache left out). None costs nothing.
@@ -335,14 +352,26 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
     A BeamSearchResult with [batch, n_best, ...] fields, best first.
   """
   check_sizes(batch_size=batch_size, beam_size=beam_size, max_len=max_len)
-  if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
-    raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
+  _check_n_best(n_best, beam_size)
   state = start_beam_search(cache, batch_size=batch_size, beam_size=beam_size,
                             max_len=max_len, bos_id=bos_id, pad_id=pad_id)
   state = run_beam_search(tokens_to_logits, state, alpha=alpha, bos_id=bos_id,
-                          eos_id=eos_id, pad_id=pad_id,
-                          finished_first=finished_first, on_step=on_step)
+                          eos_id=eos_id, pad_id=pad_id, n_best=n_best,
+                          finished_first=finished_first, stopping=stopping,
+                          on_step=on_step)
   return beam_search_result(state, n_best)
+
+
+def check_stopping(stopping: str) -> None:
+  """A one-line ValueError for a stopping rule that is not one of ours."""
+  if stopping not in STOPPING_RULES:
+    raise ValueError(f'stopping={stopping!r}: choose one of '
+                     f'{", ".join(map(repr, STOPPING_RULES))}.')
+
+
+def _check_n_best(n_best: int, beam_size: int) -> None:
+  if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
+    raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
 
 
 def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
@@ -378,7 +407,8 @@ def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
 
 def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
                     alpha: float, bos_id: int, eos_id: int, pad_id: int,
-                    until_searching: int = 0, finished_first: bool = True,
+                    until_searching: int = 0, n_best: int = 1,
+                    finished_first: bool = True, stopping: str = 'exact',
                     on_step: Callable[[BeamState], None] | None = None
                     ) -> BeamState:
   """Beam search steps from `state` until no item is still searching.
@@ -388,13 +418,16 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
   stops early can keep the items still searching (`take_items`, with the
   tokens_to_logits of those items) and run on with fewer rows, so that items
   that end early stop paying for the slowest one; each item's search never
-  looks at another's, so its result is the same either way. alpha,
-  finished_first and on_step: see `beam_search`.
+  looks at another's, so its result is the same either way. alpha, n_best
+  (the hypotheses the caller will take), finished_first, stopping and
+  on_step: see `beam_search`.
 
   Returns the BeamState after the last step taken.
   """
   batch, beams = state.live_log_probs.shape
   max_len = state.max_len
+  _check_n_best(n_best, beams)
+  check_stopping(stopping)
   _check_model(tokens_to_logits, state.cache, batch * beams, bos_id=bos_id,
                eos_id=eos_id, pad_id=pad_id)
 
@@ -433,7 +466,8 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
 
     new_state = _update_finished(
         state, top_sequences, jnp.where(is_eos, top_log_probs, -jnp.inf),
-        live_sequences, live_log_probs, alpha, finished_first).replace(
+        live_sequences, live_log_probs, alpha, finished_first, n_best,
+        stopping).replace(
             step=step + 1, live_sequences=live_sequences,
             live_log_probs=live_log_probs, cache=cache)
     if on_step is not None:
@@ -445,7 +479,8 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
 
 def _update_finished(state: BeamState, top_sequences, eos_log_probs,
                      live_sequences, live_log_probs, alpha: float,
-                     finished_first: bool) -> BeamState:
+                     finished_first: bool, n_best: int,
+                     stopping: str) -> BeamState:
   """The finished pool after one step: its old members, the eos candidates
   that made the top `beams`, and on the last step every live hypothesis (no
   eos); the best `beams` of them, best first (with finished_first, those
@@ -476,14 +511,23 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
        jnp.zeros((batch, beams), bool)], axis=1)
   # --> [batch, beams]: the best of them, best first
   picks = _rank(pool_scores, pool_eos, finished_first)[:, :beams]
-  finished_scores = _gather_beams(pool_scores, picks)
+  # An item that is done keeps its pool as it was: its result is then the
+  # same however long the rest of its batch searches on.
+  def kept(old, new):
+    done = state.done.reshape(state.done.shape + (1,) * (new.ndim - 1))
+    return jnp.where(done, old, new)
+  finished_scores = kept(state.finished_scores,
+                         _gather_beams(pool_scores, picks))
   return state.replace(
-      finished_sequences=_gather_beams(pool_sequences, picks),
+      finished_sequences=kept(state.finished_sequences,
+                              _gather_beams(pool_sequences, picks)),
       finished_scores=finished_scores,
-      finished_lengths=_gather_beams(pool_lengths, picks),
-      finished_eos=_gather_beams(pool_eos, picks),
-      done=_cannot_improve(live_log_probs[:, 0], finished_scores[:, -1],
-                           length, state.max_len, alpha))
+      finished_lengths=kept(state.finished_lengths,
+                            _gather_beams(pool_lengths, picks)),
+      finished_eos=kept(state.finished_eos, _gather_beams(pool_eos, picks)),
+      done=state.done | _is_done(stopping, live_log_probs[:, 0],
+                                 finished_scores, n_best, length,
+                                 state.max_len, alpha))
 
 
 def _rank(scores, reached_eos, finished_first: bool):
@@ -528,9 +572,9 @@ def beam_search_result(state: BeamState, n_best: int = 1) -> BeamSearchResult:
       reached_eos=state.finished_eos[:, :n_best])
 
 
-def _cannot_improve(best_live_log_prob, worst_finished_score, length,
+def _cannot_improve(best_live_log_prob, finished_score, length,
                     max_len: int, alpha: float):
-  """True where no live hypothesis can still beat the worst finished one.
+  """True where no live hypothesis can still beat a finished score.
 
   A live hypothesis of log-probability x <= 0 can only lose probability, and
   will end with some length L in [length + 1, max_len]. Its best possible score
@@ -539,8 +583,26 @@ def _cannot_improve(best_live_log_prob, worst_finished_score, length,
   alpha < 0. With an empty finished slot (score -inf) this is False unless no
   live hypothesis is left either.
 
-  best_live_log_prob, worst_finished_score: float32[batch] -> bool[batch].
+  best_live_log_prob, finished_score: float32[batch] -> bool[batch].
   """
   largest_penalty = jnp.maximum(length_penalty(length + 1, alpha),
                                 length_penalty(max_len, alpha))
-  return worst_finished_score >= best_live_log_prob / largest_penalty
+  return finished_score >= best_live_log_prob / largest_penalty
+
+
+def _is_done(stopping: str, best_live_log_prob, finished_scores,
+             n_best: int, length, max_len: int, alpha: float):
+  """Which items the `stopping` rule ends after this step: bool[batch].
+
+  best_live_log_prob: float32[batch]; finished_scores: float32[batch, beams],
+  best first (-inf: an empty slot); length: tokens generated so far.
+  """
+  nth_finished = finished_scores[:, n_best - 1]
+  exact = _cannot_improve(best_live_log_prob, nth_finished, length, max_len,
+                          alpha)
+  if stopping == 'beam_finished':
+    return exact | jnp.all(finished_scores > -jnp.inf, axis=1)
+  if stopping == 'current_length':
+    return exact | (nth_finished >=
+                    best_live_log_prob / length_penalty(length, alpha))
+  return exact

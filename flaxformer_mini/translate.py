@@ -27,6 +27,7 @@ import signal
 import sys
 
 from flaxformer_mini import cli, compilation_cache
+from flaxformer_mini.config import STOPPING_RULES
 from flaxformer_mini.data import DataError
 from flaxformer_mini.data.lines import split_lines
 
@@ -52,9 +53,9 @@ def _check_memory(parser, config, beam_size: int, batch_size: int) -> None:
   """Refuses a search that cannot fit in the device's memory, before it
   compiles (an XLA out-of-memory error would come after a long wait)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import decoding  # pylint: disable=g-import-not-at-top
-  need = decoding.search_bytes(config, batch_size, beam_size)
-  have = decoding.device_memory_bytes()
+  from flaxformer_mini import translation  # pylint: disable=g-import-not-at-top
+  need = translation.search_bytes(config, batch_size, beam_size)
+  have = translation.device_memory_bytes()
   if have is not None and need > have:
     parser.error(
         f'--beam_size={beam_size}: a search of --batch_size={batch_size} '
@@ -65,7 +66,7 @@ def _check_memory(parser, config, beam_size: int, batch_size: int) -> None:
 
 
 def _sampling(parser, args) -> dict | None:
-  """The fields of the decoding.Sampling the flags ask for, or None; a
+  """The fields of the translation.Sampling the flags ask for, or None; a
   sampling flag without --sample is refused (it would be ignored)."""
   given = {name: getattr(args, name) for name in
            ('seed', 'num_samples', 'temperature', 'top_k', 'top_p')
@@ -104,6 +105,10 @@ def main(argv: list[str]) -> None:
   parser.add_argument('--alpha', type=cli.finite_float,
                       help="length-penalty exponent (default: the run's "
                       'eval_alpha, the one its scores were decoded with).')
+  parser.add_argument('--stopping', choices=STOPPING_RULES,
+                      help="when a sentence's beam search ends (default: the "
+                      "run's eval_stopping; 'exact': when no longer "
+                      "hypothesis could win).")
   parser.add_argument('--batch_size', type=cli.positive_int, default=64,
                       help='sentences per search.')
   sampling = parser.add_argument_group(
@@ -129,13 +134,13 @@ def main(argv: list[str]) -> None:
   # JAX loads here, once the flags and the input are known to be good.
   # pylint: disable=g-import-not-at-top
   import jax
-  from flaxformer_mini import decoding
+  from flaxformer_mini import translation
   # pylint: enable=g-import-not-at-top
   compilation_cache.use(args.compilation_cache)
   run = cli.load_translation_run(parser, args.workdir, args.params)
   config = run.config
   if sampling is not None:
-    sampling = decoding.Sampling(**sampling)
+    sampling = translation.Sampling(**sampling)
   _check_memory(parser, config,
                 sampling.num_samples if sampling else args.beam_size,
                 args.batch_size)
@@ -143,10 +148,10 @@ def main(argv: list[str]) -> None:
       f'translate: line {number} has {length} tokens; cut to '
       f'{config.max_len - 1} (the model\'s max_len)', file=sys.stderr)
   try:
-    translations = decoding.translate_lines(
+    translations = translation.translate_lines(
         run.params, config, run.tokenizer, lines, beam_size=args.beam_size,
         alpha=args.alpha, batch_size=args.batch_size, warn=warn,
-        sampling=sampling)
+        stopping=args.stopping, sampling=sampling)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_mini import decoding, search
+from flaxformer_mini import decoding, search, translation
 from flaxformer_mini.data import copy_task
 from flaxformer_mini.masks import padding_mask, target_mask
 from flaxformer_mini.model import Transformer
@@ -264,16 +264,16 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
   sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
                           size=n).tolist() for n in rng.integers(1, 7, 40)]
   taken = []
-  take = decoding._jit_take_items  # pylint: disable=protected-access
-  monkeypatch.setattr(decoding, '_jit_take_items', lambda state, keep: (
+  take = translation._jit_take_items  # pylint: disable=protected-access
+  monkeypatch.setattr(translation, '_jit_take_items', lambda state, keep: (
       taken.append(len(keep)), take(state, keep))[1])
-  together = decoding.translate_ids(state.params, cfg, sources, beam_size=2,
+  together = translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                     batch_size=32)
   assert taken and set(taken) == {8}  # some left their batch of 32
-  alone = [decoding.translate_ids(state.params, cfg, [ids], beam_size=2,
+  alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
                                   batch_size=1)[0] for ids in sources]
   assert together == alone
-  assert decoding.translate_ids(state.params, cfg, sources, beam_size=2,
+  assert translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                 batch_size=32, shrink_batches=False) == alone
 
 
@@ -284,11 +284,11 @@ def test_the_translate_command_compiles_once_whatever_the_params_placement(
   cfg = small_copy_config
   state, _, _ = train_copy_model(cfg)
   sources = [[cfg.first_ordinary_id + i for i in range(n)] for n in (3, 5)]
-  on_device = decoding.translate_ids(state.params, cfg, sources, beam_size=2,
+  on_device = translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                      batch_size=8)
-  beams = decoding._jit_run_beams  # pylint: disable=protected-access
+  beams = translation._jit_run_beams  # pylint: disable=protected-access
   compiled = beams._cache_size()  # pylint: disable=protected-access
-  on_host = decoding.translate_ids(jax.tree.map(np.asarray, state.params),
+  on_host = translation.translate_ids(jax.tree.map(np.asarray, state.params),
                                    cfg, sources, beam_size=2, batch_size=8)
   assert on_host == on_device
   assert beams._cache_size() == compiled  # pylint: disable=protected-access
@@ -320,7 +320,7 @@ _SHARDED_SCRIPT = textwrap.dedent('''
     import functools, json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from flaxformer_mini import decoding, search
+    from flaxformer_mini import decoding, search, translation
     from flaxformer_mini.config import get_config
     from flaxformer_mini.training import init_params
 
@@ -361,3 +361,72 @@ def test_a_batch_sharded_over_eight_devices_decodes_as_on_one():
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report['same_sequences']
   assert report['score_gap'] < 1e-5
+
+
+def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40):
+  """The step at which a hand-made search is done under a stopping rule.
+
+  The chain: from any token, eos 0.6 and a 0.4 (nothing else). With
+  alpha 1 and beam 2, [eos] finishes at step 1 (score log 0.6 = -0.51) and
+  the live [a, ..., a] of step k has log p = k log 0.4 = -0.92 k:
+    current_length: done at step 1 (-0.51 >= -0.92 / lp(1) = -0.92);
+    beam_finished: step 2, when [a, eos] fills the second finished slot;
+    exact, n_best 1: the first k with -0.51 >= -0.92 k / lp(40), lp(40) =
+      45 / 6: k = 5;
+    exact, n_best 2: the same against the second finished score, [a, eos]'s
+      (log 0.4 + log 0.6) / lp(2) = -1.22: k = 11 (the rule before n_best
+      counted, which waited for the worst of the beam's finished ones).
+  """
+  pad, bos, eos, a = range(4)
+  probs = np.tile([0, 0, 0.6, 0.4], (4, 1))  # the same from every token
+  with np.errstate(divide='ignore'):
+    transition_logits = jnp.asarray(np.log(probs), jnp.float32)
+  steps = []
+
+  def tokens_to_logits(tokens, cache):
+    return transition_logits[tokens[:, 0]], cache
+
+  def on_step(state):
+    if bool(state.done[0]) and not steps:
+      steps.append(int(state.step))
+
+  result = search.beam_search(
+      tokens_to_logits, jnp.zeros((1,)), batch_size=1, beam_size=beam_size,
+      max_len=max_len, alpha=1.0, bos_id=bos, eos_id=eos, pad_id=pad,
+      n_best=n_best, stopping=stopping, on_step=on_step)
+  jax.effects_barrier()
+  np.testing.assert_array_equal(result.sequences[0, 0, :2], [eos, pad])
+  return steps[0]
+
+
+def test_each_stopping_rule_ends_the_search_at_the_step_it_should():
+  assert _steps_until_done('current_length') == 1
+  assert _steps_until_done('beam_finished') == 2
+  assert _steps_until_done('exact') == 5
+  assert _steps_until_done('exact', n_best=2) == 11
+
+
+@pytest.mark.parametrize('stopping', search.STOPPING_RULES)
+def test_under_every_rule_a_sentence_ends_as_it_would_alone(stopping):
+  """An item that is done keeps its result while slower items search on, so
+  what it returns does not depend on its batch (or on stages)."""
+  tokens_to_logits, ids = _countdown_search_pieces()
+  left = jnp.array([1, 6, 2, 9, 0, 4, 3, 7], jnp.int32)
+  run = lambda lefts: search.beam_search(
+      tokens_to_logits, {'left': lefts}, batch_size=len(lefts), beam_size=3,
+      max_len=14, alpha=0.6, stopping=stopping, **ids)
+  together = run(left)
+  for i in range(len(left)):
+    alone = run(left[i:i + 1])
+    for field in ('sequences', 'scores', 'lengths', 'reached_eos'):
+      np.testing.assert_array_equal(getattr(alone, field)[0],
+                                    getattr(together, field)[i])
+
+
+def test_an_unknown_stopping_rule_is_one_line():
+  tokens_to_logits, ids = _countdown_search_pieces()
+  with pytest.raises(ValueError, match=r"^stopping='early': choose one of "
+                     r"'exact', 'beam_finished', 'current_length'\.$"):
+    search.beam_search(tokens_to_logits, {'left': jnp.zeros((1,), jnp.int32)},
+                       batch_size=1, beam_size=2, max_len=3, alpha=0.6,
+                       stopping='early', **ids)

@@ -38,6 +38,8 @@ def test_config_is_frozen():
     ({'max_train_minutes': math.inf}, r'^max_train_minutes=inf'),
     ({'dtype': 'float16'}, r'^dtype=float16: allowed values: float32, '
      'bfloat16'),
+    ({'eval_stopping': 'early'}, r'^eval_stopping=early: allowed values: '
+     r'exact, beam_finished, current_length\.$'),
     ({'tgt_vocab_size': 12}, r'^share_embeddings=True: needs one shared'),
     ({'average_last': -1}, r'^average_last=-1'),
     ({'cooldown_steps': -1}, r'^cooldown_steps=-1: must be >= 0'),
@@ -94,3 +96,15 @@ def test_heads_error_lists_the_allowed_values():
 def test_unknown_preset():
   with pytest.raises(config_lib.ConfigError, match='toy, copy'):
     config_lib.get_config('huge')
+
+
+def test_a_run_saved_before_the_stopping_rule_was_a_setting_keeps_exact():
+  """Its translations were made with the exact bound: they stay as they
+  were, whatever the default of a new config."""
+  from flaxformer_mini import checkpoints  # pylint: disable=g-import-not-at-top
+  fields = dataclasses.asdict(config_lib.get_config('toy'))
+  del fields['eval_stopping']
+  assert checkpoints.saved_config({'config': fields}).eval_stopping == 'exact'
+  fields['eval_stopping'] = 'current_length'
+  assert checkpoints.saved_config({'config': fields}).eval_stopping == (
+      'current_length')

@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_mini import decoding, search
+from flaxformer_mini import decoding, search, translation
 from flaxformer_mini.masks import padding_mask, target_mask
 from flaxformer_mini.model import Transformer
-from flaxformer_mini.training import init_params
 
 
 def _full_logits(cfg, params, src, tgt_in):
@@ -145,7 +144,7 @@ def test_every_search_takes_its_sizes_and_ids_by_keyword():
   import inspect  # pylint: disable=g-import-not-at-top
   for function in (search.greedy_search, search.beam_search,
                    decoding.greedy_decode, decoding.beam_decode,
-                   decoding.translate_ids, decoding.translate_lines):
+                   translation.translate_ids, translation.translate_lines):
     positional = [name for name, p in inspect.signature(
         function).parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional in (['tokens_to_logits', 'cache'],

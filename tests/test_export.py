@@ -53,7 +53,7 @@ _CONSUMER = textwrap.dedent('''
 
 def test_an_exported_search_translates_as_the_command_without_the_package(
     tiny_run, tmp_path):
-  workdir, _ = tiny_run
+  workdir, results = tiny_run
   out = tmp_path / 'exported'
   made = subprocess.run(
       [sys.executable, '-m', 'flaxformer_mini.export', f'--workdir={workdir}',
@@ -63,6 +63,8 @@ def test_an_exported_search_translates_as_the_command_without_the_package(
                                      'signature.json', 'spm.model']
   signature = json.loads((out / 'signature.json').read_text())
   assert signature['platforms'] == ['cpu', 'cuda', 'tpu']
+  assert (signature['alpha'], signature['stopping']) == (
+      results['config']['eval_alpha'], results['config']['eval_stopping'])
   lines = multi30k_lines('test_2016_flickr', 'de', 12)
   text = ''.join(line + '\n' for line in lines)
   command = subprocess.run(

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from flaxformer_mini import decoding, workdir
+from flaxformer_mini import decoding, translation, workdir
 
 GOLDEN = os.path.join(ROOT, 'tests', 'data', 'run_e577ba4')
 
@@ -35,7 +35,7 @@ def _test_sources() -> list[str]:
 def _translate(run) -> list[str]:
   """The test sources translated as e577ba4 ranked hypotheses: a cut one
   (no eos by max_len) by its score among those that reached eos."""
-  return decoding.translate_lines(
+  return translation.translate_lines(
       run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
       alpha=run.config.eval_alpha, finished_first=False)
 
@@ -47,7 +47,7 @@ def test_an_e577ba4_run_loads_and_translates_to_the_same_tokens(which):
   assert _translate(run) == then
   # Today's default ranks every hypothesis that reached eos first: only the
   # lines whose best was cut at max_len (a runaway repeat) may change.
-  now = decoding.translate_lines(
+  now = translation.translate_lines(
       run.params, run.config, run.tokenizer, _test_sources(), beam_size=4,
       alpha=run.config.eval_alpha)
   for line_now, line_then in zip(now, then):

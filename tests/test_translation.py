@@ -385,27 +385,30 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
 @pytest.mark.slow
 def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
                                                           monkeypatch):
-  """Without --alpha the command searches as the run's scores were decoded,
-  and so does translate_lines without alpha (the README's five lines)."""
+  """Without --alpha and --stopping the command searches as the run's scores
+  were decoded, and so does translate_lines without them (the README's five
+  lines)."""
   # pylint: disable=g-import-not-at-top
-  from flaxformer_mini import decoding, translate, workdir as workdir_lib
+  from flaxformer_mini import translate, translation, workdir as workdir_lib
   workdir, results = tiny_run
   source = tmp_path / 'source.txt'
   source.write_text('Ein Hund.\n', encoding='utf-8')
-  alphas = []
+  searched = []
 
-  def search(params, src, config, beam_size, alpha, *rest):
-    alphas.append(alpha)
-    return np.zeros((len(src), rest[0]), np.int32)
+  def search(params, src, config, beam_size, alpha, max_len, shrink,
+             finished_first, stopping):
+    searched.append((alpha, stopping))
+    return np.zeros((len(src), max_len), np.int32)
 
-  monkeypatch.setattr(decoding, '_beam_search_in_stages', search)
-  for flags in ([], ['--alpha=0.3']):
+  monkeypatch.setattr(translation, '_beam_search_in_stages', search)
+  for flags in ([], ['--alpha=0.3', '--stopping=beam_finished']):
     translate.main([f'--workdir={workdir}', f'--input={source}',
                     '--compilation_cache=', *flags])
   run = workdir_lib.load_run(str(workdir))
-  decoding.translate_lines(run.params, run.config, run.tokenizer, ['Ein Hund.'])
-  assert alphas == [results['config']['eval_alpha'], 0.3, 0.8] == [0.8, 0.3,
-                                                                   0.8]
+  translation.translate_lines(run.params, run.config, run.tokenizer, ['Ein Hund.'])
+  own = (results['config']['eval_alpha'], results['config']['eval_stopping'])
+  assert searched == [own, (0.3, 'beam_finished'), own]
+  assert own[0] == 0.8
 
 
 @pytest.mark.slow

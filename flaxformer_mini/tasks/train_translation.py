@@ -24,7 +24,7 @@ from flaxformer_mini.checkpoints import Checkpoints, average_params
 from flaxformer_mini.config import ConfigError, TransformerConfig
 from flaxformer_mini.data import DataError, batching
 from flaxformer_mini.data.prepared import Prepared, Source, prepare
-from flaxformer_mini.decoding import translate_lines
+from flaxformer_mini.translation import translate_lines
 from flaxformer_mini.loop import SignalCatcher
 from flaxformer_mini.parallel import DataParallel, rows_per_update
 from flaxformer_mini.run import TrainingRun
