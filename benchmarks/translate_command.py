@@ -5,7 +5,7 @@
 
 With a trained workdir: its model translates the test split's source lines
 (test_2016_flickr: 1,000 lines) as `python -m flaxformer_mini.translate`
-does (decoding.translate_ids: sorted by length, batches of --batch_size,
+does (translation.translate_ids: sorted by length, batches of --batch_size,
 beam --beam; ended sentences leave their batch on the way), twice: the
 first pass compiles, the second is timed. Reports sentences/s and generated
 tokens/s (eos included). The same again in one stage (shrink_batches=False:
@@ -17,15 +17,32 @@ model shape (random weights, eos impossible so both do the same work, the
 batch and generated length of an average test batch), timed in turns
 (decode.py's measure). Without --workdir, only this comparison runs, on the
 multi30k preset's shape.
+
+  ... --ctranslate2 [--rounds=2]
+
+With a workdir, also against CTranslate2 (the ctranslate2 extra) on the same
+weights, converted by flaxformer_mini.to_ctranslate2, beam --beam, its length
+penalty set to the run's alpha (a different formula: to_ctranslate2 says
+how), batches of --batch_size, every core: the searches alone in this
+process, in turns (the project's compiled search, CTranslate2 in float32 and
+int8), on the test lines; then whole processes, in turns, on the test lines
+and the first --train_lines lines of the training split: the translate
+command with an empty compilation cache (cold) and again on it (warm), and a
+CTranslate2 process (import, load, tokenize, translate, write) in float32 and
+int8. With --write_docs the table goes into docs/performance.md.
 """
 
 import argparse
 import functools
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 from flaxformer_mini import decoding
-from flaxformer_mini.decoding import translate_ids
+from flaxformer_mini.translation import translate_ids
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import parallel_text
@@ -88,6 +105,186 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
           'speed_up_over_one_stage': one_seconds / seconds}, config
 
 
+# A whole CTranslate2 process, as a user serving the converted run writes it:
+# argv: model folder, compute type, beam, length penalty, batch size, max
+# decoding length, input file, output file.
+_CTRANSLATE2_PROCESS = """
+import os, sys
+import ctranslate2, sentencepiece
+folder, compute, beam, penalty, batch, limit, source, target = sys.argv[1:]
+translator = ctranslate2.Translator(folder, compute_type=compute,
+                                   intra_threads=os.cpu_count())
+vocab = sentencepiece.SentencePieceProcessor(
+    model_file=os.path.join(folder, 'spm.model'))
+lines = open(source, encoding='utf-8').read().split('\\n')[:-1]
+pieces = [vocab.encode(line, out_type=str)[:int(limit) - 1] for line in lines]
+results = translator.translate_batch(
+    pieces, beam_size=int(beam), length_penalty=float(penalty),
+    max_batch_size=int(batch), max_decoding_length=int(limit))
+with open(target, 'w', encoding='utf-8') as f:
+  f.writelines(vocab.decode(r.hypotheses[0]) + '\\n' for r in results)
+"""
+
+
+def _ctranslate2_search(translator, vocab, lines, beam, alpha, batch_size,
+                        limit):
+  """CTranslate2's translations of `lines`, as the process above makes them."""
+  pieces = [vocab.encode(line, out_type=str)[:limit - 1] for line in lines]
+  return [vocab.decode(r.hypotheses[0]) for r in translator.translate_batch(
+      pieces, beam_size=beam, length_penalty=alpha, max_batch_size=batch_size,
+      max_decoding_length=limit)]
+
+
+def _rate(lines: int, seconds: list[float]) -> dict:
+  median = statistics.median(seconds)
+  return {'round_seconds': seconds, 'median_s': median,
+          'sentences_per_s': lines / median}
+
+
+def against_ctranslate2(workdir: str, data_dir: str, beam: int,
+                        batch_size: int, rounds: int, train_lines: int) -> dict:
+  """The project's search and command against CTranslate2 on the same
+  weights: the searches in this process, then whole processes, in turns."""
+  import ctranslate2  # pylint: disable=g-import-not-at-top
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import to_ctranslate2  # pylint: disable=g-import-not-at-top
+  trained = workdir_lib.load_run(workdir)
+  config, vocab = trained.config, trained.tokenizer
+  alpha, limit = config.eval_alpha, config.max_len
+  files = parallel_text.local_split_files(data_dir,
+                                          (config.src_lang, config.tgt_lang))
+  test = [line.strip() for line in read_lines(files['test_2016_flickr'][0])]
+  references = [line.strip() for line in
+                read_lines(files['test_2016_flickr'][1])]
+  train = [line.strip() for line in
+           read_lines(files['train'][0])][:train_lines]
+  scratch = tempfile.mkdtemp(prefix='translate-bench-')
+  folder = os.path.join(scratch, 'ct2')
+  pieces = [vocab.id_to_piece(i) for i in range(vocab.get_piece_size())]
+  to_ctranslate2.convert(trained.params, config, pieces, folder,
+                         files=(os.path.join(workdir, 'spm.model'),))
+
+  # The searches alone, in this process.
+  sources = [vocab.encode(line) for line in test]
+  ours = lambda: [vocab.decode(ids) for ids in translate_ids(
+      trained.params, config, sources, beam_size=beam, batch_size=batch_size)]
+  translators = {
+      compute: functools.partial(
+          _ctranslate2_search, ctranslate2.Translator(
+              folder, compute_type=compute, intra_threads=os.cpu_count()),
+          vocab, test, beam, alpha, batch_size, limit)
+      for compute in ('float32', 'int8')}
+  runs = {'project': ours, **{f'ctranslate2_{c}': t
+                              for c, t in translators.items()}}
+  outputs = {name: run() for name, run in runs.items()}  # compiles ours
+  times = common.interleaved_seconds(runs, rounds)
+  searches = {name: {**_rate(len(test), times[name]),
+                     'bleu': sacrebleu.corpus_bleu(outputs[name],
+                                                   [references]).score,
+                     'same_as_project': sum(
+                         a == b for a, b in zip(outputs[name],
+                                                outputs['project']))}
+              for name in runs}
+  for compute in ('float32', 'int8'):
+    mine, theirs = times['project'], times[f'ctranslate2_{compute}']
+    searches[f'project_over_ctranslate2_{compute}'] = {
+        'per_round': [t / m for m, t in zip(mine, theirs)],
+        'of_medians': statistics.median(theirs) / statistics.median(mine)}
+
+  # Whole processes, in turns.
+  processes = {}
+  for name, lines in (('test', test), ('train', train)):
+    source = os.path.join(scratch, f'{name}.txt')
+    with open(source, 'w', encoding='utf-8') as f:
+      f.writelines(line + '\n' for line in lines)
+    target = os.path.join(scratch, 'out.txt')
+    cache = os.path.join(scratch, f'xla-{name}')
+    command = [sys.executable, '-m', 'flaxformer_mini.translate',
+               f'--workdir={workdir}', f'--input={source}',
+               f'--beam_size={beam}', f'--batch_size={batch_size}']
+    def ctranslate2_process(compute):
+      return [sys.executable, '-c', _CTRANSLATE2_PROCESS, folder, compute,
+              str(beam), str(alpha), str(batch_size), str(limit), source,
+              target]
+    seconds = {'command_cold': [], 'command_warm': [],
+               'ctranslate2_float32': [], 'ctranslate2_int8': []}
+    for _ in range(rounds):
+      for kind in seconds:
+        if kind == 'command_cold' and os.path.isdir(cache):
+          subprocess.run(['rm', '-rf', cache], check=True)
+        argv = (command + [f'--compilation_cache={cache}']
+                if kind.startswith('command') else
+                ctranslate2_process(kind.split('_')[1]))
+        start = time.perf_counter()
+        with open(target, 'w', encoding='utf-8') as out:
+          subprocess.run(argv, check=True, stdout=out,
+                         stderr=subprocess.DEVNULL)
+        seconds[kind].append(time.perf_counter() - start)
+    processes[name] = {'lines': len(lines), **{
+        kind: _rate(len(lines), times_) for kind, times_ in seconds.items()}}
+    processes[name]['warm_over_ctranslate2_float32'] = (
+        processes[name]['ctranslate2_float32']['median_s'] /
+        processes[name]['command_warm']['median_s'])
+  subprocess.run(['rm', '-rf', scratch], check=True)
+  return {'beam': beam, 'alpha': alpha, 'batch_size': batch_size,
+          'stopping': config.eval_stopping, 'rounds': rounds,
+          'searches': searches, 'processes': processes}
+
+
+def ctranslate2_table(result: dict) -> str:
+  """docs/performance.md's table of against_ctranslate2's result."""
+  env = result['environment']
+  c = result['ctranslate2']
+  s, p = c['searches'], c['processes']
+  lines = [
+      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
+      f"({env['machine']}), JAX {env['jax']}, by `python "
+      f"benchmarks/translate_command.py --workdir=W --ctranslate2 "
+      f"--write_docs`: beam {c['beam']}, α {c['alpha']} (CTranslate2's "
+      f"length_penalty {c['alpha']}), batches of {c['batch_size']}, the "
+      f"run's stopping rule ({c['stopping']}); medians of {c['rounds']} "
+      'rounds in turns.', '',
+      '| what | input | sentences/s | project ÷ CTranslate2 float32 | BLEU | '
+      'same output as the project |', '|---|---|---:|---:|---:|---:|']
+  ratio = s['project_over_ctranslate2_float32']['of_medians']
+  for name, label in (('project', 'the search alone, this project'),
+                      ('ctranslate2_float32', 'CTranslate2 float32'),
+                      ('ctranslate2_int8', 'CTranslate2 int8')):
+    lines.append(
+        f"| {label} | {p['test']['lines']:,} test lines | "
+        f"{s[name]['sentences_per_s']:.0f} | "
+        f"{f'{ratio:.2f}x' if name == 'project' else ''} | "
+        f"{s[name]['bleu']:.2f} | "
+        f"{'—' if name == 'project' else s[name]['same_as_project']} |")
+  for split in ('test', 'train'):
+    q = p[split]
+    for kind, label in (('command_cold', 'the command, cold process'),
+                        ('command_warm', 'the command, warm process'),
+                        ('ctranslate2_float32', 'CTranslate2 float32, process'),
+                        ('ctranslate2_int8', 'CTranslate2 int8, process')):
+      ratio = (q['ctranslate2_float32']['median_s'] / q[kind]['median_s']
+               if kind.startswith('command') else None)
+      lines.append(
+          f"| {label} | {q['lines']:,} {split} lines | "
+          f"{q[kind]['sentences_per_s']:.0f} | "
+          f"{f'{ratio:.2f}x' if ratio else ''} | | |")
+  return '\n'.join(lines)
+
+
+DOCS = os.path.join(ROOT, 'docs', 'performance.md')
+MARKERS = ('<!-- ctranslate2:start -->', '<!-- ctranslate2:end -->')
+
+
+def write_docs(table: str) -> None:
+  """Replaces the table between MARKERS in docs/performance.md."""
+  with open(DOCS, encoding='utf-8') as f:
+    text = f.read()
+  head, rest = text.split(MARKERS[0], 1)
+  _, tail = rest.split(MARKERS[1], 1)
+  with open(DOCS, 'w', encoding='utf-8') as f:
+    f.write(f'{head}{MARKERS[0]}\n{table}\n{MARKERS[1]}{tail}')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--workdir', help='a trained translation workdir')
@@ -97,7 +294,14 @@ def main():
   parser.add_argument('--batch_size', type=int, default=64)
   parser.add_argument('--repeats', type=int, default=7)
   parser.add_argument('--no_baseline', action='store_true')
+  parser.add_argument('--ctranslate2', action='store_true',
+                      help='also against CTranslate2 (needs --workdir)')
+  parser.add_argument('--rounds', type=int, default=2)
+  parser.add_argument('--train_lines', type=int, default=5000)
+  parser.add_argument('--write_docs', action='store_true')
   args = parser.parse_args()
+  if args.ctranslate2 and not args.workdir:
+    parser.error('--ctranslate2 compares on a trained run: give --workdir.')
   result = {'benchmark': 'translate'}
   if args.workdir:
     result['command'], config = translate_command(
@@ -117,7 +321,14 @@ def main():
       **decode_bench.measure(config, params, baseline, src, args.beam,
                              min(gen_len, decoding.default_max_len(
                                  config, src_len)), args.repeats)}
+  if args.ctranslate2:
+    result['ctranslate2'] = against_ctranslate2(
+        args.workdir, args.data_dir, args.beam, args.batch_size, args.rounds,
+        args.train_lines)
   common.emit(result)
+  if args.write_docs and args.ctranslate2:
+    write_docs(ctranslate2_table({**result,
+                                  'environment': common.environment()}))
 
 
 if __name__ == '__main__':

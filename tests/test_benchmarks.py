@@ -175,6 +175,34 @@ def test_the_translate_benchmark_times_a_trained_workdir(tiny_run, data_slice):
 
 
 @pytest.mark.slow
+def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
+    tiny_run, data_slice):
+  pytest.importorskip('ctranslate2', reason='the ctranslate2 extra')
+  workdir, _ = tiny_run
+  result = _benchmark('translate_command.py', f'--workdir={workdir}',
+                      f'--data_dir={data_slice}', '--beam=2', '--batch_size=8',
+                      '--repeats=1', '--no_baseline', '--ctranslate2',
+                      '--rounds=1', '--train_lines=12')
+  compared = result['ctranslate2']
+  searches, processes = compared['searches'], compared['processes']
+  assert searches['project']['same_as_project'] == 30
+  # The same model: an untrained one runs most lines to the length limit,
+  # where the two searches' length penalties hardly differ.
+  assert searches['ctranslate2_float32']['same_as_project'] >= 15
+  assert [processes[split]['lines'] for split in ('test', 'train')] == [30, 12]
+  for split in processes.values():
+    for kind in ('command_cold', 'command_warm', 'ctranslate2_float32',
+                 'ctranslate2_int8'):
+      assert split[kind]['sentences_per_s'] == pytest.approx(
+          split['lines'] / split[kind]['median_s'])
+  sys.path.insert(0, BENCHMARKS)
+  import translate_command  # pylint: disable=g-import-not-at-top
+  table = translate_command.ctranslate2_table(result)
+  assert '| the command, warm process | 12 train lines |' in table
+  assert '| CTranslate2 int8 | 30 test lines |' in table
+
+
+@pytest.mark.slow
 def test_the_input_benchmark_measures_a_synthetic_corpus(tmp_path):
   if not os.path.isdir(MULTI30K):
     pytest.skip(f'Multi30k is not at {MULTI30K}')

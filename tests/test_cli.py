@@ -136,8 +136,9 @@ def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
   with a trained workdir, the tiny run's) and docs/library.md's, which go on
   from the first block's names: decoding and rescoring in one's own jit,
   sampling, a search over a bigram table, the mesh on 8 devices, the exported
-  search loaded where flaxformer_mini and flax cannot be imported."""
-  first, translating = _python_blocks('README.md')
+  search loaded where flaxformer_mini and flax cannot be imported, and the
+  run served by CTranslate2 there too."""
+  first, translating, serving = _python_blocks('README.md')
   rescoring, bigram, mesh, exported = _python_blocks('docs/library.md')
   names = {}
   exec(first, names)  # pylint: disable=exec-used
@@ -159,3 +160,10 @@ def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
                  check=True, capture_output=True, cwd=ROOT, timeout=600)
   printed = _python(_REFUSE_THE_PACKAGE + exported, tmp_path, PYTHONPATH='')
   assert len(printed.splitlines()) == 1
+  subprocess.run([sys.executable, '-m', 'flaxformer_mini.to_ctranslate2',
+                  f'--workdir={tiny_run[0]}', f'--out={tmp_path / "D"}'],
+                 check=True, capture_output=True, cwd=ROOT, timeout=600)
+  printed = _python(
+      _REFUSE_THE_PACKAGE + "lines = ['A dog runs.', 'Two men sit.']\n"
+      + serving + 'print(len(translations))', tmp_path, PYTHONPATH='')
+  assert printed == '2\n'
