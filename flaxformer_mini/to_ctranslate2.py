@@ -31,6 +31,8 @@ from flaxformer_mini import cli
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.embeddings import sinusoidal_positions
 
+# CTranslate2's default max_decoding_length (Translator.translate_batch).
+CTRANSLATE2_DECODING_LENGTH = 256
 # CTranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES).
 QUANTIZATIONS = ('float32', 'int8', 'int8_float32', 'int8_float16',
                  'int8_bfloat16', 'int16', 'float16', 'bfloat16')
@@ -65,7 +67,11 @@ def transformer_spec(params, config: TransformerConfig, pieces: list[str]):
       config.num_heads, pre_norm=config.pre_norm)
   # The project's table is interleaved (sin, cos, sin, ...) and starts at
   # position 0; CTranslate2's own is [sin | cos] from position 1: pass ours.
-  table = sinusoidal_positions(config.max_len, config.d_model)
+  # It goes on past max_len (the same sinusoids; the translate command cuts
+  # sources and outputs at max_len) so that CTranslate2's default
+  # max_decoding_length does not run off its end.
+  table = sinusoidal_positions(max(config.max_len, CTRANSLATE2_DECODING_LENGTH),
+                               config.d_model)
   if config.share_embeddings:
     source = target = p['shared_embedding']['embed']['embedding']
   else:

@@ -165,5 +165,6 @@ def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
                  check=True, capture_output=True, cwd=ROOT, timeout=600)
   printed = _python(
       _REFUSE_THE_PACKAGE + "lines = ['A dog runs.', 'Two men sit.']\n"
-      + serving + 'print(len(translations))', tmp_path, PYTHONPATH='')
+      + textwrap.dedent(serving) + 'print(len(translations))', tmp_path,
+      PYTHONPATH='')
   assert printed == '2\n'
