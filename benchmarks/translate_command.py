@@ -35,6 +35,7 @@ int8. With --write_docs the table goes into docs/performance.md.
 import argparse
 import functools
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,10 +56,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')
 
 
-def _test_sources(data_dir: str, config, split: str) -> list[str]:
+def _split_lines(data_dir: str, config, split: str,
+                 side: int = 0) -> list[str]:
+  """A split's source (side 0) or target (1) lines, stripped."""
   files = parallel_text.local_split_files(data_dir,
                                           (config.src_lang, config.tgt_lang))
-  return [line.strip() for line in read_lines(files[split][0])]
+  return [line.strip() for line in read_lines(files[split][side])]
 
 
 def _timed_passes(run) -> tuple[float, float, list]:
@@ -77,7 +80,7 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
   trained = workdir_lib.load_run(workdir)
   config, params = trained.config, trained.params
   sources = [trained.tokenizer.encode(line) for line in
-             _test_sources(data_dir, config, split)]
+             _split_lines(data_dir, config, split)]
   run = functools.partial(translate_ids, params, config, sources,
                           beam_size=beam, batch_size=batch_size)
   first_s, seconds, outputs = _timed_passes(run)
@@ -151,13 +154,9 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   trained = workdir_lib.load_run(workdir)
   config, vocab = trained.config, trained.tokenizer
   alpha, limit = config.eval_alpha, config.max_len
-  files = parallel_text.local_split_files(data_dir,
-                                          (config.src_lang, config.tgt_lang))
-  test = [line.strip() for line in read_lines(files['test_2016_flickr'][0])]
-  references = [line.strip() for line in
-                read_lines(files['test_2016_flickr'][1])]
-  train = [line.strip() for line in
-           read_lines(files['train'][0])][:train_lines]
+  test = _split_lines(data_dir, config, 'test_2016_flickr')
+  references = _split_lines(data_dir, config, 'test_2016_flickr', side=1)
+  train = _split_lines(data_dir, config, 'train')[:train_lines]
   scratch = tempfile.mkdtemp(prefix='translate-bench-')
   folder = os.path.join(scratch, 'ct2')
   pieces = [vocab.id_to_piece(i) for i in range(vocab.get_piece_size())]
@@ -210,8 +209,8 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
                'ctranslate2_float32': [], 'ctranslate2_int8': []}
     for _ in range(rounds):
       for kind in seconds:
-        if kind == 'command_cold' and os.path.isdir(cache):
-          subprocess.run(['rm', '-rf', cache], check=True)
+        if kind == 'command_cold':
+          shutil.rmtree(cache, ignore_errors=True)
         argv = (command + [f'--compilation_cache={cache}']
                 if kind.startswith('command') else
                 ctranslate2_process(kind.split('_')[1]))
@@ -225,7 +224,7 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
     processes[name]['warm_over_ctranslate2_float32'] = (
         processes[name]['ctranslate2_float32']['median_s'] /
         processes[name]['command_warm']['median_s'])
-  subprocess.run(['rm', '-rf', scratch], check=True)
+  shutil.rmtree(scratch)
   return {'beam': beam, 'alpha': alpha, 'batch_size': batch_size,
           'stopping': config.eval_stopping, 'rounds': rounds,
           'searches': searches, 'processes': processes}

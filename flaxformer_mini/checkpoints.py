@@ -388,9 +388,8 @@ def saved_config(meta: dict) -> TransformerConfig:
   """The config saved in a checkpoint's meta (fields it lacks: their defaults;
   fields since removed: dropped)."""
   known = {f.name for f in dataclasses.fields(TransformerConfig)}
-  # Runs saved before the stopping rule was a setting decoded with 'exact'.
-  saved = {'eval_stopping': 'exact', **meta['config']}
-  return TransformerConfig(**{k: v for k, v in saved.items() if k in known})
+  return TransformerConfig(**{k: v for k, v in meta['config'].items()
+                              if k in known})
 
 
 def params_shape(config: TransformerConfig):

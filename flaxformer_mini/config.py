@@ -114,7 +114,8 @@ class TransformerConfig:
   # and the export (STOPPING_RULES). 'exact' by measurement: on the en->de
   # recipe the cheaper rules search 1.4-1.7x faster but lose 0.1-0.2 BLEU
   # on test and 0.2-0.5 on validation (docs/performance.md). A run saved
-  # before this field existed decoded with 'exact', and still does.
+  # before this field existed decoded with 'exact' and takes this default
+  # (checkpoints.saved_config): were it changed, such runs must keep 'exact'.
   eval_stopping: str = 'exact'
 
   def __post_init__(self):

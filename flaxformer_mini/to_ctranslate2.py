@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 
+import jax
 import numpy as np
 
 from flaxformer_mini import cli
@@ -40,6 +41,17 @@ QUANTIZATIONS = ('float32', 'int8', 'int8_float32', 'int8_float16',
 
 class ConversionError(ValueError):
   """The run cannot be written as a CTranslate2 model (one line: why)."""
+
+
+class OutputExists(ConversionError):
+  """--out names something that exists: nothing is written over it."""
+
+
+def check_new(out: str) -> None:
+  """Raises OutputExists unless `out` is free for a new folder."""
+  if os.path.lexists(out):
+    raise OutputExists(f'--out={out} exists; name a new folder (nothing '
+                       'there was changed).')
 
 
 def transformer_spec(params, config: TransformerConfig, pieces: list[str]):
@@ -61,7 +73,8 @@ def transformer_spec(params, config: TransformerConfig, pieces: list[str]):
       raise ConversionError(
           f'the model has {size} {side} ids but its vocabulary {len(pieces)} '
           'pieces: CTranslate2 needs one token per id.')
-  p = _numpy(params)
+  # CTranslate2 takes float32 numpy arrays.
+  p = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
   spec = ct2.TransformerSpec.from_config(
       (config.num_encoder_layers, config.num_decoder_layers),
       config.num_heads, pre_norm=config.pre_norm)
@@ -113,13 +126,6 @@ def transformer_spec(params, config: TransformerConfig, pieces: list[str]):
   return spec
 
 
-def _numpy(tree):
-  """The parameter tree as float32 numpy arrays (CTranslate2's input)."""
-  if isinstance(tree, dict) or hasattr(tree, 'items'):
-    return {k: _numpy(v) for k, v in tree.items()}
-  return np.asarray(tree, np.float32)
-
-
 def _linear(spec, dense) -> None:
   """A flax Dense ({'kernel': [in, out], 'bias'}) as [out, in] and bias."""
   spec.weight = np.ascontiguousarray(dense['kernel'].T)
@@ -162,12 +168,11 @@ def convert(params, config: TransformerConfig, pieces: list[str], out: str,
   place.
 
   Raises:
-    ConversionError: the run cannot be expressed, or `out` exists.
+    ConversionError: the run cannot be expressed (OutputExists: `out`
+      exists).
     OSError: `out`'s parent cannot be written.
   """
-  if os.path.lexists(out):
-    raise ConversionError(f'--out={out} exists; name a new folder (nothing '
-                          'there was changed).')
+  check_new(out)
   spec = transformer_spec(params, config, pieces)
   spec.validate()
   spec.optimize(quantization=quantization)
@@ -203,9 +208,10 @@ def main(argv: list[str]) -> None:
     parser.error("converting needs ctranslate2: pip install -e "
                  "'.[ctranslate2]' (in a clone) or pip install "
                  "'flaxformer_mini[ctranslate2]'.")
-  if os.path.lexists(args.out):
-    parser.error(f'--out={args.out} exists; name a new folder (nothing '
-                 'there was changed).')
+  try:
+    check_new(args.out)  # before the run is read
+  except OutputExists as e:
+    parser.error(str(e))
   # pylint: disable-next=g-import-not-at-top
   from flaxformer_mini import workdir as workdir_lib
   run = cli.load_translation_run(parser, args.workdir, args.params)
@@ -215,9 +221,10 @@ def main(argv: list[str]) -> None:
   try:
     convert(run.params, run.config, pieces, args.out, args.quantization,
             files=(os.path.join(args.workdir, vocabulary),))
+  except OutputExists as e:
+    parser.error(str(e))
   except ConversionError as e:
-    parser.error(str(e) if str(e).startswith('--out') else
-                 f'--workdir={args.workdir}: {e}')
+    parser.error(f'--workdir={args.workdir}: {e}')
   except OSError as e:
     parser.error(f'--out={args.out}: cannot be written ({e.strerror}).')
   print(f'wrote {args.workdir} (step {run.step}, {run.which} parameters) as '
