@@ -1,21 +1,35 @@
-"""The persistent XLA compilation cache of train.py and the translate command.
+"""Compiled programs kept on disk for train.py and the translate command.
 
-A rerun (a resumed run, the next translate call, the same shapes in another
-process) loads its compiled programs from disk instead of compiling them
-again, which takes seconds per program on a CPU host.
+Two layers. The persistent XLA compilation cache (`use`): a rerun (a resumed
+run, the next translate call) skips XLA's compilation, which takes seconds
+per program on a CPU host, but still traces and lowers every program.
+`Executables`: the translate command's own programs serialized whole
+(jax.experimental.serialize_executable), so a later process loads them in
+milliseconds with no tracing, lowering or compiling at all.
 """
 
+import glob
+import hashlib
 import os
+import pickle
+import sys
+import tempfile
+from typing import Any, Callable
 
 _DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla'))
+_SUFFIX = '.executable'
+# Every program this process has compiled or loaded, by its key: loaded or
+# compiled once per process, whatever the store (XLA's CPU runtime cannot
+# run a program loaded into the process that compiled the same one).
+_IN_PROCESS: dict[str, Any] = {}
 
 
 def add_flag(parser) -> None:
   """--compilation_cache on an argparse parser (the folder, or '' for none)."""
   parser.add_argument(
       '--compilation_cache', default=_DEFAULT_DIR,
-      help='persistent XLA compilation cache: a rerun loads the compiled '
+      help='persistent compilation cache: a rerun loads the compiled '
       'programs instead of compiling them again ("" turns it off; default '
       '%(default)s).')
 
@@ -26,3 +40,160 @@ def use(directory: str) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update('jax_compilation_cache_dir', directory)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+
+
+def _digest(*parts) -> str:
+  return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def _code_digest() -> str:
+  """The package's source: a program compiled by other code is not ours."""
+  folder = os.path.dirname(os.path.abspath(__file__))
+  sha = hashlib.sha256()
+  for path in sorted(glob.glob(os.path.join(folder, '**', '*.py'),
+                               recursive=True)):
+    with open(path, 'rb') as f:
+      sha.update(f.read())
+  return sha.hexdigest()[:16]
+
+
+def _environment() -> str:
+  """What a serialized executable only runs under: jax, jaxlib, the
+  backend and its devices, XLA's flags."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  return (f'jax {jax.__version__}, jaxlib {jaxlib.__version__}, '
+          f'{device.platform} ({device.client.platform_version.strip()}, '
+          f'{jax.device_count()} x {device.device_kind}), '
+          f'XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r}, '
+          f'Python {sys.version_info.major}.{sys.version_info.minor}')
+
+
+def _signature(tree) -> str:
+  """The structure, shapes, dtypes and placements of a call's arguments."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return repr((str(treedef), [
+      (np.shape(leaf), str(getattr(leaf, 'dtype', type(leaf))),
+       getattr(leaf, 'weak_type', False), str(getattr(leaf, 'sharding', '')))
+      for leaf in leaves]))
+
+
+def _compile_afresh(jitted, args, static):
+  """jitted compiled for args by XLA itself, never handed back by the
+  persistent cache: a program loaded from there serializes into a file that
+  does not run (XLA's CPU runtime, jax 0.10: 'Function ... not found')."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+  # pylint: enable=g-import-not-at-top
+  enabled = jax.config.jax_enable_compilation_cache
+  # The cache decides once per process whether it is on: reset, it asks again.
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()
+  try:
+    return jitted.lower(*args, **static).compile()
+  finally:
+    jax.config.update('jax_enable_compilation_cache', enabled)
+    compilation_cache.reset_cache()
+
+
+class Executables:
+  """A jitted function's compiled programs, loaded from `directory` where a
+  process (this one or an earlier one) compiled them for the same code,
+  arguments and environment, else compiled and written there.
+
+  `executables(name, jitted, *args, **static)` is `jitted(*args, **static)`
+  for a jax.jit function whose keyword arguments `static` are static. A
+  program found for another jax version or backend is left as it is and
+  compiled again for this one, and a file that does not load is compiled
+  again, each with one line to `note`.
+  """
+
+  def __init__(self, directory: str,
+               note: Callable[[str], None] = lambda line: None):
+    self.directory = directory
+    self._note = note
+    self._code = _code_digest()
+    self._environment = _environment()
+
+  def __call__(self, name: str, jitted, *args, **static):
+    import jax  # pylint: disable=g-import-not-at-top
+    program = _digest(self._code, name, sorted(static.items()),
+                      _signature(args))
+    key = program + self._environment
+    if key in _IN_PROCESS:
+      return _IN_PROCESS[key](*args)
+    compiled, path = self._load(name, program)
+    if compiled is not None:
+      try:
+        result = compiled(*args)
+        _IN_PROCESS[key] = compiled
+        return result
+      except jax.errors.JaxRuntimeError as e:  # loads, but cannot run
+        if 'RESOURCE_EXHAUSTED' in str(e):
+          raise
+        self._note(f'the compiled {name} in {path} did not run '
+                   f'({str(e).splitlines()[0][:80]}); compiling it again.')
+    compiled = _IN_PROCESS[key] = _compile_afresh(jitted, args, static)
+    self._write(name, path, compiled)
+    return compiled(*args)
+
+  def _load(self, name: str, program: str):
+    """-> (the program loaded from disk or None, the path it belongs at)."""
+    # pylint: disable=g-import-not-at-top
+    from jax.experimental import serialize_executable
+    # pylint: enable=g-import-not-at-top
+    path = self._path(name, program, _digest(self._environment))
+    if os.path.exists(path):
+      try:
+        with open(path, 'rb') as f:
+          _, payload, in_tree, out_tree = pickle.load(f)
+        return serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree), path
+      except Exception as e:  # pylint: disable=broad-except
+        self._note(f'the compiled {name} in {path} did not load '
+                   f'({type(e).__name__}); compiling it again.')
+        return None, path
+    for other in glob.glob(self._path(name, program, '*')):
+      try:
+        with open(other, 'rb') as f:
+          environment = pickle.load(f)[0]
+      except Exception:  # pylint: disable=broad-except
+        continue
+      self._note(f'the compiled {name} in {self.directory} was made for '
+                 f'{environment}; compiling it for {self._environment}.')
+      break
+    return None, path
+
+  def _path(self, name: str, program: str, environment: str) -> str:
+    return os.path.join(self.directory,
+                        f'{name}-{program}-{environment}{_SUFFIX}')
+
+  def _write(self, name: str, path: str, compiled) -> None:
+    """Writes the program beside `path` and renames it there: a reader
+    never sees half a file. A program that cannot be serialized, or a
+    folder that cannot be written, only costs the next process a compile."""
+    # pylint: disable=g-import-not-at-top
+    from jax.experimental import serialize_executable
+    # pylint: enable=g-import-not-at-top
+    try:
+      payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+      os.makedirs(self.directory, exist_ok=True)
+      with tempfile.NamedTemporaryFile(dir=self.directory, delete=False,
+                                       suffix='.partial') as f:
+        try:
+          pickle.dump((self._environment, payload, in_tree, out_tree), f)
+        except BaseException:
+          os.unlink(f.name)
+          raise
+      os.replace(f.name, path)
+    except (OSError, ValueError, NotImplementedError, pickle.PicklingError,
+            TypeError) as e:
+      reason = (e.strerror if isinstance(e, OSError) and e.strerror
+                else f'{type(e).__name__}: {e}')
+      self._note(f'the compiled {name} could not be kept in '
+                 f'{self.directory} ({reason}); the next run compiles it '
+                 'again.')

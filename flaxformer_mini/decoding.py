@@ -20,7 +20,8 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.search import (BeamSearchResult, BeamState,
-                                    TokensToLogits, beam_search, check_sizes,
+                                    CacheWindows, TokensToLogits, beam_search,
+                                    check_sizes, doubling_windows,
                                     expand_to_beams, greedy_search,
                                     keys_per_row, sample_search)
 
@@ -41,6 +42,37 @@ def init_cache(config: TransformerConfig, batch_size: int, max_len: int):
                          dummy_tokens, incremental=True,
                          method=Transformer.decode))['cache']
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _is_self_attention_cache(path) -> bool:
+  """A cache leaf with a position axis (axis 2): a layer's cached keys or values."""
+  return getattr(path[-1], 'key', None) in ('cached_key', 'cached_value')
+
+
+def _take_positions(cache, length: int):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: (leaf[:, :, :length]
+                          if _is_self_attention_cache(path) else leaf), cache)
+
+
+def _put_positions(cache, window):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf, new: (
+          jax.lax.dynamic_update_slice_in_dim(leaf, new, 0, axis=2)
+          if _is_self_attention_cache(path) else new), cache, window)
+
+
+def cache_windows(max_len: int) -> CacheWindows:
+  """The decoder's key/value cache grown by beam search in windows of 24,
+  48, ... positions (`search.doubling_windows`, `search.CacheWindows`).
+
+  Reordering the cache with the beams and attending over it cost a step
+  as much as the vocabulary's softmax and top-k at max_len positions
+  (docs/performance.md, "A cache that grows"); a window of the positions
+  written so far cuts both.
+  """
+  return CacheWindows(lengths=doubling_windows(max_len), take=_take_positions,
+                      put=_put_positions)
 
 
 def project_cross_kv(params, config: TransformerConfig, encoded, src_mask):
@@ -183,8 +215,8 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
                 n_best: int = 1, finished_first: bool = True,
                 stopping: str = 'exact',
-                on_step: Callable[[BeamState], None] | None = None
-                ) -> BeamSearchResult:
+                on_step: Callable[[BeamState], None] | None = None,
+                grow_cache: bool = False) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.
 
   The encoder runs once, and the cross-attention keys and values of its
@@ -203,7 +235,11 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
       see `beam_search` ('exact' here, as a library call that wants the most
       probable output; the translate command and evaluations use the run's
       config.eval_stopping). Under jax.jit, config, beam_size, max_len,
-      n_best and stopping are static; alpha may be traced.
+      n_best, stopping and grow_cache are static; alpha may be traced.
+    grow_cache: grow the key/value cache in windows (`cache_windows`), as
+      the translate command does: the same results up to float rounding,
+      1.25x faster on CPU at max_len 66-98, for two or more loop bodies to
+      compile instead of one.
 
   Returns:
     BeamSearchResult: sequences int32[batch, n_best, max_len], scores
@@ -218,7 +254,8 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
-      finished_first=finished_first, stopping=stopping, on_step=on_step)
+      finished_first=finished_first, stopping=stopping, on_step=on_step,
+      windows=cache_windows(max_len) if grow_cache else None)
 
 
 def sample_decode(params, src, config: TransformerConfig, *, rng,

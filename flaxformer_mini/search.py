@@ -13,8 +13,12 @@ sequence); scores stay the model's own log-probabilities.
 Beam search carries a cache with one row per beam: every leaf is
 [batch * beams, ...], each item's beams consecutive, except scalar leaves
 (say, a model's step counter), which all beams share (`_map_beam_rows`).
+A model whose cache has a position axis can let beam search grow it in
+windows (`CacheWindows`), so that a step reads and reorders only the
+positions written so far, not all max_len of them.
 """
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.struct
@@ -217,6 +221,43 @@ def _token_by_token(tokens_to_logits: TokensToLogits, cache, pick, *,
   return tokens[:, 1:]
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheWindows:
+  """How beam search grows a cache with a position axis, window by window.
+
+  A step attends over its whole cache and reorders it with the surviving
+  beams, so a cache of max_len positions costs max_len positions' reading
+  and writing at every step, however few are written. With windows the
+  search runs its steps in chunks: the steps before lengths[0] on the
+  cache's first lengths[0] positions, then up to lengths[1] on its first
+  lengths[1], and so on (one while_loop each, one more loop body for the
+  compiler each). The results are the same.
+
+  Attributes:
+    lengths: increasing window lengths; steps past the last run on the
+      whole cache.
+    take: (cache, length) -> the cache with only its first `length`
+      positions (leaves without a position axis as they are).
+    put: (cache, window) -> the cache with `window`, as `take` returned it
+      and the steps changed it, written over its first positions.
+  """
+  lengths: tuple[int, ...]
+  take: Callable[[Any, int], Any]
+  put: Callable[[Any, Any], Any]
+
+
+def doubling_windows(max_len: int, first: int = 24) -> tuple[int, ...]:
+  """Window lengths first, 2 first, 4 first, ... up to 3/4 of max_len:
+  (24, 48) for max_len 66 to 98, (24, 48, 96, 192) for 256. Each window
+  at least halves what the steps in it read, for one more loop body to
+  compile; a window past 3/4 of max_len would save too little for that."""
+  lengths = []
+  while first <= max_len * 3 / 4:
+    lengths.append(first)
+    first *= 2
+  return tuple(lengths)
+
+
 @flax.struct.dataclass
 class BeamSearchResult:
   """The n best hypotheses of each batch item, best first.
@@ -290,8 +331,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                 beam_size: int, max_len: int, alpha: float, bos_id: int,
                 eos_id: int, pad_id: int, n_best: int = 1,
                 finished_first: bool = True, stopping: str = 'exact',
-                on_step: Callable[[BeamState], None] | None = None
-                ) -> BeamSearchResult:
+                on_step: Callable[[BeamState], None] | None = None,
+                windows: CacheWindows | None = None) -> BeamSearchResult:
   """Beam search with a live and a finished pool, all in one lax.while_loop.
 
   Each step extends every live hypothesis by every token and keeps the top
@@ -347,6 +388,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
     on_step: for watching the search, e.g. in the notebook: called on the
       host (jax.debug.callback) after every step with that step's BeamState
       (its cache left out). None costs nothing.
+    windows: grow the cache window by window (`CacheWindows`): the same
+      results, each step reading only a window of the cache; None: every
+      step reads the whole cache, in one loop.
 
   Returns:
     A BeamSearchResult with [batch, n_best, ...] fields, best first.
@@ -358,7 +402,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   state = run_beam_search(tokens_to_logits, state, alpha=alpha, bos_id=bos_id,
                           eos_id=eos_id, pad_id=pad_id, n_best=n_best,
                           finished_first=finished_first, stopping=stopping,
-                          on_step=on_step)
+                          on_step=on_step, windows=windows)
   return beam_search_result(state, n_best)
 
 
@@ -409,8 +453,8 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
                     alpha: float, bos_id: int, eos_id: int, pad_id: int,
                     until_searching: int = 0, n_best: int = 1,
                     finished_first: bool = True, stopping: str = 'exact',
-                    on_step: Callable[[BeamState], None] | None = None
-                    ) -> BeamState:
+                    on_step: Callable[[BeamState], None] | None = None,
+                    windows: CacheWindows | None = None) -> BeamState:
   """Beam search steps from `state` until no item is still searching.
 
   Stops at state.max_len, or once at most `until_searching` items are still
@@ -419,8 +463,9 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
   tokens_to_logits of those items) and run on with fewer rows, so that items
   that end early stop paying for the slowest one; each item's search never
   looks at another's, so its result is the same either way. alpha, n_best
-  (the hypotheses the caller will take), finished_first, stopping and
-  on_step: see `beam_search`.
+  (the hypotheses the caller will take), finished_first, stopping, on_step
+  and windows: see `beam_search` (a state at any step may be run with
+  windows: the windows its steps have passed are skipped).
 
   Returns the BeamState after the last step taken.
   """
@@ -474,6 +519,17 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
       jax.debug.callback(on_step, new_state.replace(cache=None), ordered=True)
     return new_state
 
+  if windows is None:
+    return jax.lax.while_loop(keep_going, one_step, state)
+  for length in windows.lengths:
+    if length >= max_len:
+      break
+    # A window past the state's step runs no step: reading and writing it
+    # back is a copy of `length` positions per chunk, not per step.
+    window = jax.lax.while_loop(
+        lambda state, length=length: keep_going(state) & (state.step < length),
+        one_step, state.replace(cache=windows.take(state.cache, length)))
+    state = window.replace(cache=windows.put(state.cache, window.cache))
   return jax.lax.while_loop(keep_going, one_step, state)
 
 

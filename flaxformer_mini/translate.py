@@ -137,6 +137,11 @@ def main(argv: list[str]) -> None:
   from flaxformer_mini import translation
   # pylint: enable=g-import-not-at-top
   compilation_cache.use(args.compilation_cache)
+  # The search's programs, whole: a later process loads them instead of
+  # tracing, lowering and compiling them again.
+  executables = args.compilation_cache and compilation_cache.Executables(
+      args.compilation_cache,
+      note=lambda line: print(f'translate: note: {line}', file=sys.stderr))
   run = cli.load_translation_run(parser, args.workdir, args.params)
   config = run.config
   if sampling is not None:
@@ -151,7 +156,8 @@ def main(argv: list[str]) -> None:
     translations = translation.translate_lines(
         run.params, config, run.tokenizer, lines, beam_size=args.beam_size,
         alpha=args.alpha, batch_size=args.batch_size, warn=warn,
-        stopping=args.stopping, sampling=sampling)
+        stopping=args.stopping, sampling=sampling,
+        executables=executables or None)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise

@@ -2,9 +2,11 @@
 and a run's evaluations do with decoding.py's traceable searches.
 
 Sources are sorted by length into batches; each batch's beam search runs in
-stages, so that sentences whose search has ended leave it on the way; one
-jitted program is kept per shape for the process; `search_bytes` and
-`device_memory_bytes` let the command refuse a search that cannot fit.
+stages, so that sentences whose search has ended leave it on the way, its
+key/value cache grown in windows; one jitted program is kept per shape for
+the process (and on disk for the next one, where the caller passes a
+`compilation_cache.Executables`); `search_bytes` and `device_memory_bytes`
+let the command refuse a search that cannot fit.
 """
 
 import dataclasses
@@ -16,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_mini.config import TransformerConfig
-from flaxformer_mini.decoding import (check_max_len, default_max_len,
-                                      encoded_for_search, greedy_decode,
-                                      init_cache, sample_decode,
+from flaxformer_mini.decoding import (cache_windows, check_max_len,
+                                      default_max_len, encoded_for_search,
+                                      greedy_decode, init_cache, sample_decode,
                                       tokens_before_eos)
 from flaxformer_mini.search import (BeamState, check_stopping,
                                     run_beam_search, start_beam_search,
@@ -37,9 +39,10 @@ def _start_beams(config: TransformerConfig, batch_size: int, beam_size: int,
 
 def _run_beams(params, src, state: BeamState, config: TransformerConfig,
                alpha: float, until_searching: int, finished_first: bool,
-               stopping: str) -> BeamState:
+               stopping: str, grow_cache: bool) -> BeamState:
   """`run_beam_search` with Transformer(config) on the sources src, one row
-  per item of `state` (after `take_items`, the sources of the items kept).
+  per item of `state` (after `take_items`, the sources of the items kept),
+  with grow_cache its cache grown window by window (`cache_windows`).
   The encoder runs on src again, once per stage: one pass, cheap next to the
   decoder's steps."""
   beams = state.live_log_probs.shape[1]
@@ -49,18 +52,47 @@ def _run_beams(params, src, state: BeamState, config: TransformerConfig,
       tokens_to_logits, state, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id,
       until_searching=until_searching, finished_first=finished_first,
-      stopping=stopping)
+      stopping=stopping,
+      windows=cache_windows(state.max_len) if grow_cache else None)
+
+
+def _first_stage(params, src, *, config: TransformerConfig, beam_size: int,
+                 max_len: int, **search) -> BeamState:
+  """The beam search of the sources src: int32[rows, src_len] from its start
+  until at most search['until_searching'] items are still searching."""
+  state = _start_beams(config, src.shape[0], beam_size, max_len)
+  return _run_beams(params, src, state, config, **search)
+
+
+def _later_stage(params, src, state: BeamState, items, *,
+                 config: TransformerConfig, **search) -> BeamState:
+  """The search of `state`'s items `items` (int32[rows]) alone, on from its
+  step; src: int32[rows, src_len], those items' sources."""
+  return _run_beams(params, src, take_items(state, items), config, **search)
+
+
+def _sample(params, src, keys, temperature, top_p, **static):
+  return sample_decode(params, src, rng=keys, temperature=temperature,
+                       top_p=top_p, **static)
 
 
 # One jitted program per shape for the process: a later call (the next
 # evaluation, the next input) with the same shapes reuses the compiled one.
+# Their keyword arguments are the static ones (`Executables` keeps them).
+_SEARCH = ('config', 'alpha', 'until_searching', 'finished_first', 'stopping',
+           'grow_cache')
+_jit_first_stage = jax.jit(_first_stage, static_argnames=_SEARCH + (
+    'beam_size', 'max_len'))
+_jit_later_stage = jax.jit(_later_stage, static_argnames=_SEARCH)
 _jit_greedy = jax.jit(greedy_decode, static_argnames=('config', 'max_len'))
-_jit_sample = jax.jit(sample_decode, static_argnames=(
+_jit_sample = jax.jit(_sample, static_argnames=(
     'config', 'num_samples', 'max_len', 'top_k'))
-_jit_start_beams = jax.jit(_start_beams, static_argnums=(0, 1, 2, 3))
-_jit_run_beams = jax.jit(_run_beams, static_argnames=(
-    'config', 'alpha', 'until_searching', 'finished_first', 'stopping'))
-_jit_take_items = jax.jit(take_items)
+
+
+def _just_jit(name: str, jitted, *args, **static):
+  """Calls a jitted program without keeping it on disk (`Executables` does)."""
+  del name
+  return jitted(*args, **static)
 
 
 def search_bytes(config: TransformerConfig, batch_size: int,
@@ -110,25 +142,28 @@ def _next_rows(rows: int) -> int:
 
 def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                            beam_size: int, alpha: float, max_len: int,
-                           shrink: bool, finished_first: bool,
-                           stopping: str) -> np.ndarray:
+                           shrink: bool, finished_first: bool, stopping: str,
+                           grow_cache: bool, programs=_just_jit) -> np.ndarray:
   """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
 
   One beam search in stages: once no more than a quarter of its items are
   still searching, the finished ones are collected and the rest go on alone
   in a batch a quarter the size, so sentences that end early stop paying for
   the slowest one. Each item's result is the one-batch search's (an item's
-  search never looks at another's). shrink=False: one stage.
+  search never looks at another's). shrink=False: one stage. Two programs
+  per source shape: the first stage, and a later one.
   """
   best = np.zeros((src.shape[0], max_len), np.int32)
   owner = np.arange(src.shape[0])  # the source row of each state row
-  state = _jit_start_beams(config, src.shape[0], beam_size, max_len)
+  search = dict(config=config, alpha=alpha, finished_first=finished_first,
+                stopping=stopping, grow_cache=grow_cache)
+  rows = _next_rows(len(owner)) if shrink else 0
+  state = programs('first_stage', _jit_first_stage, params, src,
+                   beam_size=beam_size, max_len=max_len,
+                   until_searching=rows, **search)
   while True:
-    rows = _next_rows(len(owner)) if shrink else 0
-    state = _jit_run_beams(params, src[owner], state, config, alpha,
-                           until_searching=rows, finished_first=finished_first,
-                           stopping=stopping)
-    finished = np.asarray(state.finished_sequences[:, 0, 1:])
+    # Copied whole, sliced on the host: no eager op to compile per shape.
+    finished = np.asarray(state.finished_sequences)[:, 0, 1:]
     ended = np.asarray(state.done) | (int(state.step) >= max_len) | (rows == 0)
     best[owner[ended]] = finished[ended]
     searching = np.flatnonzero(~ended)
@@ -136,8 +171,11 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
       return best
     # Filler rows repeat a searching item: the same search, the same result.
     keep = np.resize(searching, rows)
-    state = _jit_take_items(state, keep)
     owner = owner[keep]
+    rows = _next_rows(len(owner)) if shrink else 0
+    state = programs('later_stage', _jit_later_stage, params, src[owner],
+                     state, keep.astype(np.int32), until_searching=rows,
+                     **search)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,23 +218,25 @@ def _length_batches(config: TransformerConfig, sources: list[list[int]],
 
 
 def _draw(params, src, members: list[int], config: TransformerConfig,
-          sampling: Sampling, max_len: int) -> np.ndarray:
+          sampling: Sampling, max_len: int, programs) -> np.ndarray:
   """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
   # Filler rows past the members repeat the first, as _length_batches fills them.
   rows = members + members[:1] * (len(src) - len(members))
   keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.key(sampling.seed), jnp.asarray(rows, jnp.uint32))
-  return np.asarray(_jit_sample(
-      params, src, config, rng=keys, num_samples=sampling.num_samples,
-      max_len=max_len, temperature=sampling.temperature, top_k=sampling.top_k,
-      top_p=sampling.top_p))
+  return np.asarray(programs(
+      'sample', _jit_sample, params, src, keys,
+      jnp.float32(sampling.temperature), jnp.float32(sampling.top_p),
+      config=config, num_samples=sampling.num_samples, max_len=max_len,
+      top_k=sampling.top_k))
 
 
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
                   *, beam_size: int = 4, alpha: float | None = None,
                   batch_size: int = 64, shrink_batches: bool = True,
                   finished_first: bool = True, stopping: str | None = None,
-                  sampling: Sampling | None = None) -> list[list[int]]:
+                  grow_cache: bool = True, sampling: Sampling | None = None,
+                  executables=None) -> list[list[int]]:
   """The best translation of each source (token ids, no eos), in order.
 
   Each source is its token ids without eos (eos and pad are added here).
@@ -210,11 +250,17 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   has ended leave their batch on the way (`_beam_search_in_stages`): the
   same translations as one stage (shrink_batches=False), 1.4x faster on the
   Multi30k test set once compiled, for a second program per batch shape.
-  beam_size 1 is greedy search; finished_first: see `beam_search`. With
+  beam_size 1 is greedy search; finished_first: see `beam_search`;
+  grow_cache: see `beam_decode` (the same translations, 1.25x faster on the
+  Multi30k test set, for more loop bodies to compile). With
   `sampling`, translations are drawn instead, sampling.num_samples per
   source, consecutive in the list returned. An empty source gives an empty
   translation; sources longer than config.max_len - 1 are cut there.
+  executables: a `compilation_cache.Executables` that keeps the compiled
+  programs on disk for the next process (the translate command's); None:
+  this process's jit cache only.
   """
+  programs = executables or _just_jit
   alpha = config.eval_alpha if alpha is None else alpha
   stopping = config.eval_stopping if stopping is None else stopping
   check_stopping(stopping)
@@ -227,13 +273,14 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   for members, src in _length_batches(config, sources, batch_size):
     max_len = default_max_len(config, src.shape[1])
     if sampling:
-      best = _draw(params, src, members, config, sampling, max_len)
+      best = _draw(params, src, members, config, sampling, max_len, programs)
     elif beam_size == 1:
-      best = np.asarray(_jit_greedy(params, src, config, max_len=max_len))
+      best = np.asarray(programs('greedy', _jit_greedy, params, src,
+                                 config=config, max_len=max_len))
     else:
       best = _beam_search_in_stages(params, src, config, beam_size, alpha,
                                     max_len, shrink_batches, finished_first,
-                                    stopping)
+                                    stopping, grow_cache, programs)
     best = best.reshape(len(src), draws, max_len)
     for row, i in enumerate(members):
       for draw in range(draws):
@@ -247,15 +294,16 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
                     alpha: float | None = None, batch_size: int = 64,
                     warn=None, finished_first: bool = True,
                     stopping: str | None = None,
-                    sampling: Sampling | None = None) -> list[str]:
+                    sampling: Sampling | None = None,
+                    executables=None) -> list[str]:
   """Translations of `lines`, in order; '' for an empty line.
 
   tokenizer: the run's sentencepiece.SentencePieceProcessor (`load_run`).
   Sources longer than config.max_len - 1 tokens are cut there and reported
   through `warn(line_number, length)`. See translate_ids for the search:
   alpha and stopping None are the config's eval_alpha and eval_stopping, as
-  the translate command uses; with
-  `sampling`, sampling.num_samples translations per line, consecutive.
+  the translate command uses; with `sampling`, sampling.num_samples
+  translations per line, consecutive; executables: see translate_ids.
   """
   encoded = [tokenizer.encode(line.strip()) if line.strip() else []
              for line in lines]
@@ -265,4 +313,4 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
   return [tokenizer.decode(ids) for ids in translate_ids(
       params, config, encoded, beam_size=beam_size, alpha=alpha,
       batch_size=batch_size, finished_first=finished_first, stopping=stopping,
-      sampling=sampling)]
+      sampling=sampling, executables=executables)]

@@ -241,6 +241,96 @@ def test_finished_items_can_leave_the_search_without_changing_any_result():
   assert len(set(lengths.tolist())) > 3  # the items did end apart
 
 
+def _history_search_pieces():
+  """A model that reads its whole history, and how to window its cache.
+
+  The cache keeps every token fed at its position (int32[rows, max_len])
+  and each row's position; a row's next-token distribution depends on its
+  item and the sum of all the tokens it was fed, and eos grows likelier
+  with length. A
+  window that lost, misplaced or failed to reorder a position changes what
+  the search finds.
+  """
+  pad, bos, eos = range(3)
+  table = jax.random.normal(jax.random.key(3), (7, 8))
+
+  def tokens_to_logits(tokens, cache):
+    position = cache['position']
+    history = jax.vmap(lambda row, token, at: row.at[at].set(token))(
+        cache['history'], tokens[:, 0], position)
+    logits = table[(history.sum(1) + cache['item']) % 7].at[:, eos].add(
+        0.4 * position - 3)
+    return logits, {**cache, 'history': history, 'position': position + 1}
+
+  windows = search.CacheWindows(
+      lengths=(2, 4, 8),
+      take=lambda cache, length: {**cache,
+                                  'history': cache['history'][:, :length]},
+      put=lambda cache, window: {**window, 'history': (
+          jax.lax.dynamic_update_slice_in_dim(
+              cache['history'], window['history'], 0, axis=1))})
+  cache = {'history': jnp.zeros((8, 12), jnp.int32),
+           'position': jnp.zeros((8,), jnp.int32),
+           'item': jnp.arange(8, dtype=jnp.int32)}
+  return tokens_to_logits, windows, cache, dict(bos_id=bos, eos_id=eos,
+                                                pad_id=pad)
+
+
+def test_a_cache_grown_in_windows_gives_the_same_search_and_cache():
+  tokens_to_logits, windows, cache, ids = _history_search_pieces()
+  start = lambda: search.start_beam_search(
+      cache, batch_size=8, beam_size=3, max_len=12, bos_id=ids['bos_id'],
+      pad_id=ids['pad_id'])
+  run = lambda state, **kwargs: search.run_beam_search(
+      tokens_to_logits, state, alpha=0.6, n_best=3, **ids, **kwargs)
+  whole = run(start())
+  windowed = jax.jit(lambda state: run(state, windows=windows))(start())
+  jax.tree.map(np.testing.assert_array_equal, windowed, whole)  # cache too
+  assert int(whole.step) > 8  # steps in every window and past the last
+  assert len(set(np.asarray(whole.finished_lengths[:, 0]).tolist())) > 3
+
+  # A search stopped on the way and narrowed goes on in the window of its
+  # step, and ends as the whole search did.
+  part = run(start(), until_searching=4, windows=windows)
+  assert 2 < int(part.step) < 12
+  searching = np.flatnonzero(~np.asarray(part.done))
+  rest = run(search.take_items(part, jnp.asarray(searching)), windows=windows)
+  jax.tree.map(np.testing.assert_array_equal, rest,
+               search.take_items(whole, jnp.asarray(searching)))
+
+
+def test_windows_double_up_to_three_quarters_of_max_len():
+  assert search.doubling_windows(30) == ()
+  assert search.doubling_windows(66) == search.doubling_windows(98) == (24, 48)
+  assert search.doubling_windows(256) == (24, 48, 96, 192)
+
+
+def test_the_transformers_cache_windows_leave_search_and_cache_unchanged(
+    toy_model):
+  cfg, params, src = toy_model
+  tokens_to_logits, cache = decoding.encoded_for_search(params, src, cfg, 64,
+                                                        beams=2)
+  assert decoding.cache_windows(64).lengths == (24, 48)
+  run = jax.jit(lambda windows: search.run_beam_search(
+      tokens_to_logits, search.start_beam_search(
+          cache, batch_size=4, beam_size=2, max_len=64, bos_id=cfg.bos_id,
+          pad_id=cfg.pad_id), alpha=3.0, bos_id=cfg.bos_id,
+      eos_id=cfg.eos_id, pad_id=cfg.pad_id,
+      windows=windows), static_argnums=0)
+  windowed, whole = run(decoding.cache_windows(64)), run(None)
+  assert int(whole.step) > 48  # the search ran through every window
+  # Attention sums over a window, not over all 40 positions: the same
+  # hypotheses, scores and cache up to float rounding.
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5,
+                                 atol=1e-5), windowed, whole)
+  np.testing.assert_array_equal(windowed.finished_sequences,
+                                whole.finished_sequences)
+  grown = decoding.beam_decode(params, src, cfg, beam_size=2, alpha=3.0,
+                               max_len=64, n_best=2, grow_cache=True)
+  np.testing.assert_array_equal(grown.sequences,
+                                whole.finished_sequences[:, :, 1:])
+
+
 def test_a_copy_model_copies_with_beam_four(small_copy_config,
                                             train_copy_model):
   cfg = small_copy_config
@@ -264,9 +354,10 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
   sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
                           size=n).tolist() for n in rng.integers(1, 7, 40)]
   taken = []
-  take = translation._jit_take_items  # pylint: disable=protected-access
-  monkeypatch.setattr(translation, '_jit_take_items', lambda state, keep: (
-      taken.append(len(keep)), take(state, keep))[1])
+  later = translation._jit_later_stage  # pylint: disable=protected-access
+  monkeypatch.setattr(
+      translation, '_jit_later_stage', lambda params, src, state, keep, **kw: (
+          taken.append(len(keep)), later(params, src, state, keep, **kw))[1])
   together = translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                     batch_size=32)
   assert taken and set(taken) == {8}  # some left their batch of 32
@@ -286,7 +377,7 @@ def test_the_translate_command_compiles_once_whatever_the_params_placement(
   sources = [[cfg.first_ordinary_id + i for i in range(n)] for n in (3, 5)]
   on_device = translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                      batch_size=8)
-  beams = translation._jit_run_beams  # pylint: disable=protected-access
+  beams = translation._jit_first_stage  # pylint: disable=protected-access
   compiled = beams._cache_size()  # pylint: disable=protected-access
   on_host = translation.translate_ids(jax.tree.map(np.asarray, state.params),
                                    cfg, sources, beam_size=2, batch_size=8)

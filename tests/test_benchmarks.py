@@ -190,6 +190,8 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   # where the two searches' length penalties hardly differ.
   assert searches['ctranslate2_float32']['same_as_project'] >= 15
   assert [processes[split]['lines'] for split in ('test', 'train')] == [30, 12]
+  # The cold process kept its programs: a first and a later stage per shape.
+  assert processes['test']['programs'] >= 2
   for split in processes.values():
     for kind in ('command_cold', 'command_warm', 'ctranslate2_float32',
                  'ctranslate2_int8'):
@@ -200,6 +202,28 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   table = translate_command.ctranslate2_table(result)
   assert '| the command, warm process | 12 train lines |' in table
   assert '| CTranslate2 int8 | 30 test lines |' in table
+  assert (f"loaded by the warm one: {processes['test']['programs']} for the "
+          'test lines') in table
+
+
+@pytest.mark.slow
+def test_the_cache_windows_benchmark_times_step_parts_and_the_test_set(
+    tiny_run, data_slice):
+  workdir, _ = tiny_run
+  result = _benchmark('cache_windows.py', f'--workdir={workdir}',
+                      f'--data_dir={data_slice}', '--repeats=1', '--rounds=1',
+                      '--rows=8', '--steps=2')
+  parts = result['step_parts']
+  assert result['max_len'] == 48  # the tiny run's positional table
+  assert set(parts) == {f'{part} @ {length}' for part in (
+      'step', 'without reordering', 'decoder layers only')
+                        for length in (24, 48)}
+  test_set = result['test_set']
+  assert test_set['lines'] == 30
+  assert test_set['same_translations'] == 30  # windows change no output
+  sys.path.insert(0, BENCHMARKS)
+  import cache_windows  # pylint: disable=g-import-not-at-top
+  assert '| step |' in cache_windows.table(result)
 
 
 @pytest.mark.slow

@@ -375,11 +375,26 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
       input='\n'.join(lines) + '\n', capture_output=True, text=True,
       cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert any(cache.iterdir())
+  kept = sorted(path.name for path in cache.glob('*.executable'))
+  assert kept  # the search's programs, whole
   outputs = result.stdout.split('\n')[:-1]
   assert len(outputs) == len(lines)
   assert outputs[1] == '' and outputs[3] == ''
   assert 'line 5 has' in result.stderr  # the overlong line is reported
+
+  # The next process loads them: the same output, and no stage traced.
+  again = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_mini.translate',
+       f'--workdir={workdir}', '--beam_size=2', f'--compilation_cache={cache}'],
+      input='\n'.join(lines) + '\n', capture_output=True, text=True,
+      cwd=ROOT, timeout=600, env={**os.environ, 'JAX_LOG_COMPILES': '1'})
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout == result.stdout
+  traced = [line for line in again.stderr.splitlines()
+            if 'Finished tracing' in line]
+  assert traced and not [line for line in traced if 'stage' in line]
+  assert 'translate: note' not in again.stderr
+  assert sorted(path.name for path in cache.glob('*.executable')) == kept
 
 
 @pytest.mark.slow
@@ -396,7 +411,7 @@ def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
   searched = []
 
   def search(params, src, config, beam_size, alpha, max_len, shrink,
-             finished_first, stopping):
+             finished_first, stopping, grow_cache, programs):
     searched.append((alpha, stopping))
     return np.zeros((len(src), max_len), np.int32)
 

@@ -1,0 +1,169 @@
+"""What growing the key/value cache in windows buys beam search (CPU).
+
+  python benchmarks/cache_windows.py [--workdir W] [--write_docs]
+
+A step's parts, per beam row, at a cache of max_len = 82 positions (a
+32-token source + 50, the Multi30k test set's middle batch shape) and at
+the windows beam search now steps in (decoding.cache_windows: 24 and 48):
+the whole step (the decoder's layers, the vocabulary's log-softmax and
+top-k, and the cache reordered with the beams), the step without the
+reordering, and without the vocabulary either. --rows 256 (64 sentences x 4
+beams), the run's model (without --workdir: the multi30k preset's, random),
+--steps 30 a call, timed in turns.
+
+With --workdir (a trained translation run): the test set searched as the
+translate command does (translation.translate_ids), with the cache in
+windows and without, each compiled first, then timed in turns; and how many
+of the 1,000 translations are the same. --write_docs writes the table into
+docs/performance.md.
+"""
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_mini import decoding, search, translation
+from flaxformer_mini import workdir as workdir_lib
+from flaxformer_mini.config import get_config
+from flaxformer_mini.training import init_params
+
+import common
+import translate_command
+
+BEAMS, SRC_LEN, MAX_LEN = 4, 32, 82
+
+
+def _steps(params, src, config, length: int, reorder: bool, vocab: bool,
+           steps: int):
+  """`steps` decoder steps on a cache of `length` positions -> a scalar."""
+  tokens_to_logits, cache = decoding.encoded_for_search(params, src, config,
+                                                        length)
+  rows = src.shape[0]
+  # Every item's beams swapped around: a reordering that moves every row.
+  beams = jnp.arange(rows).reshape(-1, BEAMS)[:, ::-1] % BEAMS
+
+  def step(_, carry):
+    cache, total = carry
+    logits, cache = tokens_to_logits(jnp.full((rows, 1), 5, jnp.int32), cache)
+    if vocab:
+      log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+      best, _ = jax.lax.top_k(log_probs.reshape(rows // BEAMS, -1),
+                              2 * BEAMS)
+      total += best.sum()
+    else:
+      total += logits[:, 0].sum()
+    if reorder:
+      cache = search._gather_cache(cache, beams)  # pylint: disable=protected-access
+    return cache, total
+
+  return jax.lax.fori_loop(0, steps, step, (cache, 0.0))[1]
+
+
+def step_parts(params, config, repeats: int, rows: int, steps: int,
+               max_len: int) -> dict:
+  """Microseconds per row-step of each part at each cache length."""
+  src = jnp.full((rows, min(SRC_LEN, max_len)), 5, jnp.int32)
+  run = jax.jit(_steps, static_argnums=(2, 3, 4, 5, 6))
+  variants = {
+      'step': (True, True), 'without reordering': (False, True),
+      'decoder layers only': (False, False)}
+  lengths = (*decoding.cache_windows(max_len).lengths, max_len)
+  runs = {}
+  for length in lengths:
+    for name, (reorder, vocab) in variants.items():
+      call = (lambda length=length, reorder=reorder, vocab=vocab:
+              run(params, src, config, length, reorder, vocab,
+                  steps).block_until_ready())
+      call()  # compiles
+      runs[(name, length)] = call
+  times = common.interleaved_seconds(runs, repeats)
+  return {f'{name} @ {length}': statistics.median(times[(name, length)]) /
+          (steps * rows) * 1e6 for name, length in runs}
+
+
+def test_set_search(workdir: str, data_dir: str, rounds: int) -> dict:
+  """The translate command's search of the test set, windows or not."""
+  trained = workdir_lib.load_run(workdir)
+  config, vocab = trained.config, trained.tokenizer
+  lines = translate_command.split_lines(data_dir, config, 'test_2016_flickr')
+  sources = [vocab.encode(line) for line in lines]
+  runs = {name: (lambda grow: lambda: translation.translate_ids(
+      trained.params, config, sources, grow_cache=grow))(grow)
+          for name, grow in (('windows', True), ('whole cache', False))}
+  outputs = {name: run() for name, run in runs.items()}  # compiles
+  times = common.interleaved_seconds(runs, rounds)
+  medians = {name: statistics.median(t) for name, t in times.items()}
+  return {'lines': len(lines),
+          'seconds': times,
+          'sentences_per_s': {n: len(lines) / m for n, m in medians.items()},
+          'speedup': medians['whole cache'] / medians['windows'],
+          'same_translations': sum(a == b for a, b in zip(
+              outputs['windows'], outputs['whole cache']))}
+
+
+def table(result: dict) -> str:
+  env = result['environment']
+  parts = result['step_parts']
+  max_len = result['max_len']
+  lengths = (*decoding.cache_windows(max_len).lengths, max_len)
+  lines = [
+      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
+      f"({env['machine']}), JAX {env['jax']}, by `python "
+      'benchmarks/cache_windows.py --workdir=W --write_docs`: microseconds '
+      f"per beam row and step, {result['rows']} rows, the run's model, "
+      'medians in turns.', '',
+      '| part of a step | ' + ' | '.join(
+          f'cache of {n} positions' for n in lengths) + ' |',
+      '|---|' + '---:|' * len(lengths)]
+  for name in ('step', 'without reordering', 'decoder layers only'):
+    lines.append(f'| {name} | ' + ' | '.join(
+        f"{parts[f'{name} @ {n}']:.0f}" for n in lengths) + ' |')
+  if 'test_set' in result:
+    t = result['test_set']
+    lines += ['', f"The test set's {t['lines']:,} lines searched as the "
+              'translate command does (beam 4, the run\'s α and stopping '
+              f"rule): {t['sentences_per_s']['windows']:.0f} sentences/s "
+              f"with windows, {t['sentences_per_s']['whole cache']:.0f} "
+              f"with the whole cache ({t['speedup']:.2f}x); "
+              f"{t['same_translations']:,} of {t['lines']:,} translations "
+              'the same.']
+  return '\n'.join(lines)
+
+
+MARKERS = ('<!-- cache-windows:start -->', '<!-- cache-windows:end -->')
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--workdir', help='a trained translation workdir')
+  parser.add_argument('--data_dir', default=translate_command.MULTI30K)
+  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--rows', type=int, default=256)
+  parser.add_argument('--steps', type=int, default=30)
+  parser.add_argument('--write_docs', action='store_true')
+  args = parser.parse_args()
+  if args.workdir:
+    trained = workdir_lib.load_run(args.workdir)
+    config, params = trained.config, trained.params
+  else:
+    config = get_config('multi30k').replace(cpu_kernels=True)
+    params = init_params(config, jax.random.key(0))
+  # A model trained with a shorter positional table steps within it.
+  max_len = min(MAX_LEN, config.max_len)
+  result = {'environment': common.environment(), 'rows': args.rows,
+            'max_len': max_len,
+            'step_parts': step_parts(params, config, args.repeats, args.rows,
+                                     args.steps, max_len)}
+  if args.workdir:
+    result['test_set'] = test_set_search(args.workdir, args.data_dir,
+                                         args.rounds)
+  common.emit(result)
+  if args.write_docs:
+    translate_command.write_docs(table(result), MARKERS)
+
+
+if __name__ == '__main__':
+  main()

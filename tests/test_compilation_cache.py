@@ -1,0 +1,130 @@
+"""Compiled programs kept whole on disk: a later process calls them without
+tracing, a program made elsewhere is compiled again beside it, with a note.
+
+Each process is a subprocess: a process runs a program it compiled or
+loaded, never both.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from flaxformer_mini import compilation_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One process: calls a jitted function with a static keyword through a store
+# on FOLDER, for each (length, power) of CALLS; prints how often it traced,
+# the notes and the results.
+_PROCESS = '''
+import json, sys
+import jax, jax.numpy as jnp
+from flaxformer_mini import compilation_cache
+folder, calls, environment, code, plain = json.loads(sys.argv[1])
+if environment:
+  compilation_cache._environment = lambda: environment
+if code:
+  compilation_cache._code_digest = lambda: code
+traced, notes = [], []
+def scaled_sum(x, y, *, power):
+  traced.append(power)
+  return {'sum': (x ** power).sum() + y, 'rows': x.shape[0] * y}
+program = jax.jit(scaled_sum, static_argnames='power')
+store = compilation_cache.Executables(folder, notes.append)
+if plain:  # jax's own jit, without the store
+  store = lambda name, program, *args, **static: program(*args, **static)
+results = [float(store('f', program, jnp.arange(float(length)),
+                       jnp.float32(2), power=power)['sum'])
+           for length, power in calls]
+print(json.dumps({'traced': traced, 'notes': notes, 'results': results,
+                  'environment': compilation_cache._environment()}))
+'''
+
+
+def _process(folder, calls, environment='', code='', plain=False, env=None):
+  result = subprocess.run(
+      [sys.executable, '-c', _PROCESS,
+       json.dumps([str(folder), calls, environment, code, plain])],
+      capture_output=True, text=True, cwd=ROOT, timeout=300,
+      env={**os.environ, **(env or {})})
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.splitlines()[-1])
+
+
+def _expected(length, power):
+  return float(sum(i**power for i in range(length)) + 2)
+
+
+def test_a_later_process_calls_the_kept_programs_without_tracing(tmp_path):
+  first = _process(tmp_path, [[6, 3], [6, 3], [4, 3]])
+  assert first['traced'] == [3, 3]  # once per shape
+  assert first['results'] == [_expected(6, 3)] * 2 + [_expected(4, 3)]
+  assert len(os.listdir(tmp_path)) == 2
+  later = _process(tmp_path, [[6, 3], [4, 3], [6, 2]])
+  assert later['traced'] == [2]  # only the program no process had made
+  assert later['results'] == [_expected(6, 3), _expected(4, 3),
+                              _expected(6, 2)]
+  assert later['notes'] == [] and len(os.listdir(tmp_path)) == 3
+
+
+def test_a_program_that_xla_s_persistent_cache_holds_is_kept_so_it_runs(
+    tmp_path):
+  """A program the persistent cache handed back would be written in a form
+  that does not run (jax 0.10's CPU runtime): the store compiles afresh."""
+  cache = {'JAX_COMPILATION_CACHE_DIR': str(tmp_path / 'xla_cache')}
+  _process(tmp_path / 'unused', [[6, 3]], plain=True, env=cache)
+  assert os.listdir(tmp_path / 'xla_cache')
+  _process(tmp_path / 'kept', [[6, 3]], env=cache)
+  later = _process(tmp_path / 'kept', [[6, 3]], env=cache)
+  assert later['notes'] == [] and later['traced'] == []
+  assert later['results'] == [_expected(6, 3)]
+
+
+def test_a_program_made_for_another_jax_or_backend_is_compiled_again_beside_it(
+    tmp_path):
+  _process(tmp_path, [[6, 3]], environment='jax 0.0.1, tpu (v9)')
+  [elsewhere] = os.listdir(tmp_path)
+  made_elsewhere = (tmp_path / elsewhere).read_bytes()
+  here = _process(tmp_path, [[6, 3]])
+  assert here['traced'] == [3] and here['results'] == [_expected(6, 3)]
+  assert here['notes'] == [
+      f'the compiled f in {tmp_path} was made for jax 0.0.1, tpu (v9); '
+      f'compiling it for {here["environment"]}.']
+  assert (tmp_path / elsewhere).read_bytes() == made_elsewhere  # kept
+  assert len(os.listdir(tmp_path)) == 2
+  assert _process(tmp_path, [[6, 3]])['traced'] == []
+
+
+def test_a_file_that_does_not_load_is_compiled_again_with_a_note(tmp_path):
+  _process(tmp_path, [[6, 3]])
+  [name] = os.listdir(tmp_path)
+  (tmp_path / name).write_bytes(b'not a program')
+  again = _process(tmp_path, [[6, 3]])
+  assert again['traced'] == [3] and again['results'] == [_expected(6, 3)]
+  assert again['notes'] == [f'the compiled f in {tmp_path / name} did not '
+                            'load (UnpicklingError); compiling it again.']
+  assert _process(tmp_path, [[6, 3]]) ['traced'] == []  # whole again
+
+
+def test_a_program_of_other_code_is_not_loaded(tmp_path):
+  _process(tmp_path, [[6, 3]])
+  edited = _process(tmp_path, [[6, 3]], code='edited')
+  assert edited['traced'] == [3] and edited['notes'] == []
+  assert len(os.listdir(tmp_path)) == 2
+
+
+def test_a_folder_that_cannot_be_written_costs_a_compile_and_a_note(tmp_path):
+  blocked = tmp_path / 'file'
+  blocked.write_text('')
+  result = _process(blocked / 'xla', [[3, 1]])
+  assert result['results'] == [_expected(3, 1)]
+  assert result['notes'] == [
+      f'the compiled f could not be kept in {blocked / "xla"} (Not a '
+      'directory); the next run compiles it again.']
+
+
+def test_the_key_names_what_a_program_only_runs_under():
+  environment = compilation_cache._environment()  # pylint: disable=protected-access
+  for part in ('jax ', 'jaxlib ', 'cpu', 'XLA_FLAGS=', 'Python '):
+    assert part in environment
