@@ -8,6 +8,7 @@ per program on a CPU host, but still traces and lowers every program.
 milliseconds with no tracing, lowering or compiling at all.
 """
 
+import functools
 import glob
 import hashlib
 import os
@@ -19,9 +20,9 @@ from typing import Any, Callable
 _DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla'))
 _SUFFIX = '.executable'
-# Every program this process has compiled or loaded, by its key: loaded or
-# compiled once per process, whatever the store (XLA's CPU runtime cannot
-# run a program loaded into the process that compiled the same one).
+# Every program this process has compiled or loaded, by its file's path:
+# loaded or compiled once per process, whatever the store (XLA's CPU runtime
+# cannot run a program loaded into the process that compiled the same one).
 _IN_PROCESS: dict[str, Any] = {}
 
 
@@ -46,6 +47,7 @@ def _digest(*parts) -> str:
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
+@functools.cache
 def _code_digest() -> str:
   """The package's source: a program compiled by other code is not ours."""
   folder = os.path.dirname(os.path.abspath(__file__))
@@ -123,40 +125,40 @@ class Executables:
     import jax  # pylint: disable=g-import-not-at-top
     program = _digest(self._code, name, sorted(static.items()),
                       _signature(args))
-    key = program + self._environment
-    if key in _IN_PROCESS:
-      return _IN_PROCESS[key](*args)
-    compiled, path = self._load(name, program)
+    path = self._path(name, program, _digest(self._environment))
+    if path in _IN_PROCESS:
+      return _IN_PROCESS[path](*args)
+    compiled = self._load(name, program, path)
     if compiled is not None:
       try:
         result = compiled(*args)
-        _IN_PROCESS[key] = compiled
+        _IN_PROCESS[path] = compiled
         return result
       except jax.errors.JaxRuntimeError as e:  # loads, but cannot run
         if 'RESOURCE_EXHAUSTED' in str(e):
           raise
         self._note(f'the compiled {name} in {path} did not run '
                    f'({str(e).splitlines()[0][:80]}); compiling it again.')
-    compiled = _IN_PROCESS[key] = _compile_afresh(jitted, args, static)
+    compiled = _IN_PROCESS[path] = _compile_afresh(jitted, args, static)
     self._write(name, path, compiled)
     return compiled(*args)
 
-  def _load(self, name: str, program: str):
-    """-> (the program loaded from disk or None, the path it belongs at)."""
+  def _load(self, name: str, program: str, path: str):
+    """The program at `path`, or None (noted where one was made elsewhere,
+    or the file does not load)."""
     # pylint: disable=g-import-not-at-top
     from jax.experimental import serialize_executable
     # pylint: enable=g-import-not-at-top
-    path = self._path(name, program, _digest(self._environment))
     if os.path.exists(path):
       try:
         with open(path, 'rb') as f:
           _, payload, in_tree, out_tree = pickle.load(f)
-        return serialize_executable.deserialize_and_load(
-            payload, in_tree, out_tree), path
+        return serialize_executable.deserialize_and_load(payload, in_tree,
+                                                         out_tree)
       except Exception as e:  # pylint: disable=broad-except
         self._note(f'the compiled {name} in {path} did not load '
                    f'({type(e).__name__}); compiling it again.')
-        return None, path
+        return None
     for other in glob.glob(self._path(name, program, '*')):
       try:
         with open(other, 'rb') as f:
@@ -166,7 +168,7 @@ class Executables:
       self._note(f'the compiled {name} in {self.directory} was made for '
                  f'{environment}; compiling it for {self._environment}.')
       break
-    return None, path
+    return None
 
   def _path(self, name: str, program: str, environment: str) -> str:
     return os.path.join(self.directory,

@@ -139,9 +139,10 @@ def main(argv: list[str]) -> None:
   compilation_cache.use(args.compilation_cache)
   # The search's programs, whole: a later process loads them instead of
   # tracing, lowering and compiling them again.
-  executables = args.compilation_cache and compilation_cache.Executables(
+  executables = compilation_cache.Executables(
       args.compilation_cache,
-      note=lambda line: print(f'translate: note: {line}', file=sys.stderr))
+      note=lambda line: print(f'translate: note: {line}', file=sys.stderr)
+  ) if args.compilation_cache else None
   run = cli.load_translation_run(parser, args.workdir, args.params)
   config = run.config
   if sampling is not None:
@@ -157,7 +158,7 @@ def main(argv: list[str]) -> None:
         run.params, config, run.tokenizer, lines, beam_size=args.beam_size,
         alpha=args.alpha, batch_size=args.batch_size, warn=warn,
         stopping=args.stopping, sampling=sampling,
-        executables=executables or None)
+        executables=executables)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
