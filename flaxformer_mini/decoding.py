@@ -5,9 +5,10 @@ its output are projected once; then the decoder runs one token at a time,
 reading and extending its key/value cache, inside the model-agnostic searches
 of `search.py`: `greedy_decode`, `sample_decode` and `beam_decode` are those
 searches with Transformer(config). They are plain traceable functions, so
-other JAX code calls them under jax.jit, vmap or a mesh. Translating many
-sentences on the host (batches by length, stages, compiled programs kept per
-shape) is `translation.py`.
+other JAX code calls them under jax.jit, vmap or a mesh. `slot_cache` and
+`slot_tokens_to_logits` give `search.py`'s slots (continuous batching) the
+Transformer. Translating many sentences on the host (batches by length,
+stages or slots, compiled programs kept per shape) is `translation.py`.
 """
 
 from typing import Callable
@@ -117,6 +118,53 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
         {'params': params, 'cache': cache, 'cross_kv': cross_kv}, encoded,
         src_mask, tokens, incremental=True, mutable=['cache'],
         method=Transformer.decode)
+    return logits[:, -1], variables['cache']
+
+  return tokens_to_logits
+
+
+def slot_cache(params, src, config: TransformerConfig, max_len: int):
+  """What a search slot holds of each source before its first step.
+
+  src: int32[k, src_len] -> (cache, context) as `search.start_slots` and
+  `search.fill_slots` take them, each leaf [k, ...]: the cache is the
+  decoder's, empty, for max_len steps (`init_cache`); the context every
+  decoder layer's cross-attention keys and values of the encoder output
+  (`project_cross_kv`) and the source mask bool[k, 1, 1, src_len]. A
+  slot's source changes when it is refilled, so what the decoder attends
+  to travels with the state, not in the step function
+  (`slot_tokens_to_logits`).
+  """
+  check_src(src, config)
+  check_max_len(config, max_len)
+  src_mask = padding_mask(src, config.pad_id)
+  encoded = Transformer(config).apply({'params': params}, src, src_mask,
+                                      method=Transformer.encode)
+  return (init_cache(config, src.shape[0], max_len),
+          {'cross_kv': project_cross_kv(params, config, encoded, src_mask),
+           'src_mask': src_mask})
+
+
+def slot_tokens_to_logits(params, config: TransformerConfig, max_len: int):
+  """The decoder of Transformer(config) as a one-step function over search
+  slots: (int32[rows, 1] tokens, cache, context) -> (float32[rows, vocab]
+  logits, new cache), each row reading its own source from its context
+  (`slot_cache`, repeated over beams)."""
+  model = Transformer(config)
+
+  def tokens_to_logits(tokens, cache, context):
+    # A slot whose sentence is done steps on with the others until it is
+    # refilled; its position must stay inside the positional table.
+    decoder = cache['decoder']
+    cache = {'decoder': {**decoder, 'position': jnp.minimum(
+        decoder['position'], max_len - 1)}}
+    # Cross-attention reads its keys and values from 'cross_kv': the
+    # encoder output itself is never read, only its shape.
+    unread = jnp.zeros(tokens.shape + (config.d_model,), config.dtype)
+    logits, variables = model.apply(
+        {'params': params, 'cache': cache, 'cross_kv': context['cross_kv']},
+        unread, context['src_mask'], tokens, incremental=True,
+        mutable=['cache'], method=Transformer.decode)
     return logits[:, -1], variables['cache']
 
   return tokens_to_logits

@@ -284,6 +284,7 @@ class BeamState:
   token it reads next.
   """
   step: jax.Array                # int32[]: tokens generated so far
+                                 # (int32[batch] in slots: each item's)
   live_sequences: jax.Array      # int32[batch, beams, max_len + 1]
   live_log_probs: jax.Array      # float32[batch, beams]: log p, best first
   finished_sequences: jax.Array  # int32[batch, beams, max_len + 1]
@@ -441,7 +442,7 @@ def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
       live_sequences=sequences,
       live_log_probs=live_log_probs,
       finished_sequences=sequences,
-      finished_scores=jnp.full((batch, beams), -jnp.inf),
+      finished_scores=jnp.full((batch, beams), -jnp.inf, jnp.float32),
       finished_lengths=jnp.zeros((batch, beams), jnp.int32),
       finished_eos=jnp.zeros((batch, beams), bool),
       done=jnp.zeros((batch,), bool),
@@ -480,41 +481,9 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
     return (state.step < max_len) & (jnp.sum(~state.done) > until_searching)
 
   def one_step(state: BeamState) -> BeamState:
-    step = state.step
-    # --> [batch * beams, 1]: the last token of every live hypothesis
-    last = jax.lax.dynamic_slice_in_dim(state.live_sequences, step, 1, axis=2)
-    logits, cache = tokens_to_logits(last.reshape(batch * beams, 1),
-                                     state.cache)
-    logits = _float32_logits(logits)
-    vocab = logits.shape[-1]
-    log_probs = _forbid(jax.nn.log_softmax(logits, axis=-1), [pad_id, bos_id])
-    # --> [batch, beams, vocab]: log p of every one-token extension
-    candidates = (state.live_log_probs[:, :, None] +
-                  log_probs.reshape(batch, beams, vocab))
-    # --> [batch, 2 * beams]: the best candidates over all beams at once
-    top_log_probs, top_indices = jax.lax.top_k(
-        candidates.reshape(batch, beams * vocab), 2 * beams)
-    top_beams = top_indices // vocab
-    top_tokens = (top_indices % vocab).astype(jnp.int32)
-    # --> [batch, 2 * beams, max_len + 1]: their sequences, new token written
-    top_sequences = jax.lax.dynamic_update_slice(
-        _gather_beams(state.live_sequences, top_beams),
-        top_tokens[:, :, None], (0, 0, step + 1))
-    is_eos = top_tokens == eos_id
-
-    # The live pool: the best `beams` candidates that did not just end.
-    # --> [batch, beams]
-    live_log_probs, live_picks = jax.lax.top_k(
-        jnp.where(is_eos, -jnp.inf, top_log_probs), beams)
-    live_sequences = _gather_beams(top_sequences, live_picks)
-    cache = _gather_cache(cache, _gather_beams(top_beams, live_picks))
-
-    new_state = _update_finished(
-        state, top_sequences, jnp.where(is_eos, top_log_probs, -jnp.inf),
-        live_sequences, live_log_probs, alpha, finished_first, n_best,
-        stopping).replace(
-            step=step + 1, live_sequences=live_sequences,
-            live_log_probs=live_log_probs, cache=cache)
+    new_state = _beam_step(tokens_to_logits, state, alpha=alpha, bos_id=bos_id,
+                           eos_id=eos_id, pad_id=pad_id, n_best=n_best,
+                           finished_first=finished_first, stopping=stopping)
     if on_step is not None:
       jax.debug.callback(on_step, new_state.replace(cache=None), ordered=True)
     return new_state
@@ -533,6 +502,179 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
   return jax.lax.while_loop(keep_going, one_step, state)
 
 
+def start_slots(cache, context, *, slots: int, beam_size: int, max_len: int,
+                bos_id: int, pad_id: int) -> BeamState:
+  """Beam search in slots (continuous batching), every slot empty.
+
+  A batch searched together runs as long as its slowest item. Slots do
+  not wait: each searches its own item from its own step (state.step is
+  int32[slots]), and a slot whose item is done takes the next item
+  (`fill_slots`) while the others search on (`run_slots`). An item's result
+  is the one it gets searched alone, as in a batch (an item's search never
+  looks at another's). An empty slot counts as done.
+
+  cache: the model's cache of an item before its first step, reordered
+  with the beams at every step; context: what the model reads of an item
+  but never changes (the Transformer: its source's cross-attention keys
+  and values), the same for every beam, so never reordered. Every
+  non-scalar leaf of both is [slots, ...] (their values are replaced by
+  each item's own in fill_slots). The state's cache is the pair (cache,
+  context), each leaf [slots * beams, ...]; its other fields are [slots,
+  ...] as BeamState's are [batch, ...].
+  """
+  state = start_beam_search((cache, context), batch_size=slots,
+                            beam_size=beam_size, max_len=max_len,
+                            bos_id=bos_id, pad_id=pad_id)
+  return state.replace(step=jnp.zeros((slots,), jnp.int32),
+                       done=jnp.ones((slots,), bool))
+
+
+def fill_slots(state: BeamState, slots, cache, context, *, bos_id: int,
+               pad_id: int) -> BeamState:
+  """Starts new items in the slots `slots` (int32[k]); the others search on.
+
+  cache, context: the new items', as `start_slots` takes them, every
+  non-scalar leaf [k, ...] (one row per item); scalar leaves stay the
+  state's. A slot id past the last fills nothing, so that a caller with
+  fewer than k new items keeps one shape, one compiled program. Whatever a
+  filled slot held is gone: take its result first.
+  """
+  batch, beams = state.live_log_probs.shape
+  k = slots.shape[0]
+  fresh = start_beam_search((cache, context), batch_size=k, beam_size=beams,
+                            max_len=state.max_len, bos_id=bos_id,
+                            pad_id=pad_id).replace(
+                                step=jnp.zeros((k,), jnp.int32))
+
+  def put(old, new):  # [batch, ...] <- [k, ...] at rows `slots`
+    return old.at[slots].set(new, mode='drop')
+
+  def put_beam_rows(old, new):  # [batch * beams, ...] <- [k * beams, ...]
+    by_item = old.reshape((batch, beams) + old.shape[1:])
+    return put(by_item, new.reshape((k, beams) + new.shape[1:])
+               ).reshape(old.shape)
+
+  both = jax.tree.map(
+      lambda old, new: old if old.ndim == 0 else put_beam_rows(old, new),
+      state.cache, fresh.cache)
+  return jax.tree.map(put, state.replace(cache=None),
+                      fresh.replace(cache=None)).replace(cache=both)
+
+
+def run_slots(tokens_to_logits, state: BeamState, *, until_done,
+              alpha: float, bos_id: int, eos_id: int, pad_id: int,
+              n_best: int = 1, finished_first: bool = True,
+              stopping: str = 'exact') -> BeamState:
+  """Steps every slot's search until at least `until_done` slots are done.
+
+  tokens_to_logits: (int32[slots * beams, 1] last tokens, cache, context)
+  -> (float[slots * beams, vocab] logits, new cache), as a
+  `TokensToLogits` with the context beside its cache.
+  until_done: int32[] (may be traced, one program for every value), at
+  most the number of slots: a caller refills that many slots at a time,
+  and asks for all of them once it has nothing left to fill. A slot that
+  is done keeps its result; the model is still called on its rows (one
+  shape for all), and whatever it writes there is unused until the slot
+  is filled again. Every item is done after max_len steps, so the loop
+  ends. alpha, n_best, finished_first, stopping: see `beam_search`.
+  """
+  slots, beams = state.live_log_probs.shape
+  _check_n_best(n_best, beams)
+  check_stopping(stopping)
+  if isinstance(until_done, int) and not 0 <= until_done <= slots:
+    raise ValueError(f'until_done={until_done}: must lie in [0, '
+                     f'slots={slots}].')
+
+  def with_context(tokens, both):
+    cache, context = both
+    logits, cache = tokens_to_logits(tokens, cache, context)
+    return logits, (cache, context)
+
+  def reorder(both, beam_indices):
+    cache, context = both
+    return _gather_cache(cache, beam_indices), context
+
+  _check_model(with_context, state.cache, slots * beams, bos_id=bos_id,
+               eos_id=eos_id, pad_id=pad_id)
+  # A traced until_done past the slots would never be reached.
+  until_done = jnp.minimum(until_done, slots)
+  return jax.lax.while_loop(
+      lambda state: jnp.sum(state.done) < until_done,
+      lambda state: _beam_step(
+          with_context, state, alpha=alpha, bos_id=bos_id, eos_id=eos_id,
+          pad_id=pad_id, n_best=n_best, finished_first=finished_first,
+          stopping=stopping, reorder=reorder), state)
+
+
+def _read_column(sequences, step):
+  """int32[batch, beams, max_len + 1] -> column `step` (int32[] or one per
+  item, int32[batch]) of each: int32[batch, beams, 1]."""
+  if step.ndim == 0:
+    return jax.lax.dynamic_slice_in_dim(sequences, step, 1, axis=2)
+  return jnp.take_along_axis(sequences, step[:, None, None], axis=2)
+
+
+def _write_column(sequences, tokens, step):
+  """sequences int32[batch, k, max_len + 1] with tokens int32[batch, k]
+  written in column `step` (int32[] or int32[batch])."""
+  if step.ndim == 0:
+    return jax.lax.dynamic_update_slice(sequences, tokens[:, :, None],
+                                        (0, 0, step))
+  column = jnp.arange(sequences.shape[2]) == step[:, None, None]
+  return jnp.where(column, tokens[:, :, None], sequences)
+
+
+def _beam_step(tokens_to_logits: TokensToLogits, state: BeamState, *,
+               alpha: float, bos_id: int, eos_id: int, pad_id: int,
+               n_best: int, finished_first: bool, stopping: str,
+               reorder=None) -> BeamState:
+  """One step of every item's beam search: the state after it.
+
+  state.step is int32[] (all items at one step) or int32[batch] (slots:
+  each item at its own, `run_slots`; an item that is done stays at its
+  step there). reorder(cache, int32[batch, beams] beam indices): how the
+  cache follows the surviving beams (None: every leaf, `_gather_cache`).
+  """
+  batch, beams = state.live_log_probs.shape
+  step = state.step
+  # --> [batch * beams, 1]: the last token of every live hypothesis
+  last = _read_column(state.live_sequences, step)
+  logits, cache = tokens_to_logits(last.reshape(batch * beams, 1),
+                                   state.cache)
+  logits = _float32_logits(logits)
+  vocab = logits.shape[-1]
+  log_probs = _forbid(jax.nn.log_softmax(logits, axis=-1), [pad_id, bos_id])
+  # --> [batch, beams, vocab]: log p of every one-token extension
+  candidates = (state.live_log_probs[:, :, None] +
+                log_probs.reshape(batch, beams, vocab))
+  # --> [batch, 2 * beams]: the best candidates over all beams at once
+  top_log_probs, top_indices = jax.lax.top_k(
+      candidates.reshape(batch, beams * vocab), 2 * beams)
+  top_beams = top_indices // vocab
+  top_tokens = (top_indices % vocab).astype(jnp.int32)
+  # --> [batch, 2 * beams, max_len + 1]: their sequences, new token written
+  top_sequences = _write_column(_gather_beams(state.live_sequences, top_beams),
+                                top_tokens, step + 1)
+  is_eos = top_tokens == eos_id
+
+  # The live pool: the best `beams` candidates that did not just end.
+  # --> [batch, beams]
+  live_log_probs, live_picks = jax.lax.top_k(
+      jnp.where(is_eos, -jnp.inf, top_log_probs), beams)
+  live_sequences = _gather_beams(top_sequences, live_picks)
+  cache = (reorder or _gather_cache)(cache,
+                                    _gather_beams(top_beams, live_picks))
+
+  return _update_finished(
+      state, top_sequences, jnp.where(is_eos, top_log_probs, -jnp.inf),
+      live_sequences, live_log_probs, alpha, finished_first, n_best,
+      stopping).replace(
+          step=step + 1 if step.ndim == 0 else jnp.where(state.done, step,
+                                                         step + 1),
+          live_sequences=live_sequences, live_log_probs=live_log_probs,
+          cache=cache)
+
+
 def _update_finished(state: BeamState, top_sequences, eos_log_probs,
                      live_sequences, live_log_probs, alpha: float,
                      finished_first: bool, n_best: int,
@@ -549,11 +691,13 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
   """
   batch, beams = live_log_probs.shape
   length = state.step + 1  # generated tokens after this step, eos included
+  # --> [] or [batch, 1] (slots: each item's own), against [batch, k] pools
+  row_length = length if length.ndim == 0 else length[:, None]
   made_beam = jnp.arange(2 * beams) < beams
   eos_scores = jnp.where(made_beam, eos_log_probs, -jnp.inf
-                        ) / length_penalty(length, alpha)
-  cut_scores = jnp.where(length == state.max_len, live_log_probs, -jnp.inf
-                        ) / length_penalty(length, alpha)
+                        ) / length_penalty(row_length, alpha)
+  cut_scores = jnp.where(row_length == state.max_len, live_log_probs,
+                         -jnp.inf) / length_penalty(row_length, alpha)
   # --> [batch, 4 * beams]: everything that may be finished now
   pool_scores = jnp.concatenate(
       [state.finished_scores, eos_scores, cut_scores], axis=1)
@@ -561,7 +705,7 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
       [state.finished_sequences, top_sequences, live_sequences], axis=1)
   pool_lengths = jnp.concatenate(
       [state.finished_lengths,
-       jnp.full((batch, 3 * beams), length, jnp.int32)], axis=1)
+       jnp.broadcast_to(row_length, (batch, 3 * beams))], axis=1)
   pool_eos = jnp.concatenate(
       [state.finished_eos, jnp.ones((batch, 2 * beams), bool),
        jnp.zeros((batch, beams), bool)], axis=1)
@@ -581,9 +725,9 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
       finished_lengths=kept(state.finished_lengths,
                             _gather_beams(pool_lengths, picks)),
       finished_eos=kept(state.finished_eos, _gather_beams(pool_eos, picks)),
-      done=state.done | _is_done(stopping, live_log_probs[:, 0],
-                                 finished_scores, n_best, length,
-                                 state.max_len, alpha))
+      done=state.done | (length >= state.max_len) | _is_done(
+          stopping, live_log_probs[:, 0], finished_scores, n_best, length,
+          state.max_len, alpha))
 
 
 def _rank(scores, reached_eos, finished_first: bool):

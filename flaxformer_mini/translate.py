@@ -111,6 +111,12 @@ def main(argv: list[str]) -> None:
                       "hypothesis could win).")
   parser.add_argument('--batch_size', type=cli.positive_int, default=64,
                       help='sentences per search.')
+  parser.add_argument('--refill', action='store_true',
+                      help='search in --batch_size slots, each taking the '
+                      'next sentence as soon as its own is done (continuous '
+                      'batching): 3 programs for any input, but on a CPU '
+                      'slower than the default batches by length '
+                      '(docs/performance.md).')
   sampling = parser.add_argument_group(
       'sampling', 'draw translations instead of searching for the best')
   sampling.add_argument('--sample', action='store_true')
@@ -128,6 +134,8 @@ def main(argv: list[str]) -> None:
   compilation_cache.add_flag(parser)
   args = parser.parse_args(argv)
   sampling = _sampling(parser, args)
+  if args.refill and sampling is not None:
+    parser.error('--refill is for the beam search; --sample draws in batches.')
   if missing := cli.missing_translation_extras():
     parser.error(missing)
   lines = _input_lines(parser, args.input)
@@ -157,7 +165,7 @@ def main(argv: list[str]) -> None:
     translations = translation.translate_lines(
         run.params, config, run.tokenizer, lines, beam_size=args.beam_size,
         alpha=args.alpha, batch_size=args.batch_size, warn=warn,
-        stopping=args.stopping, sampling=sampling,
+        stopping=args.stopping, refill=args.refill, sampling=sampling,
         executables=executables)
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):

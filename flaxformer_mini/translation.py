@@ -3,7 +3,8 @@ and a run's evaluations do with decoding.py's traceable searches.
 
 Sources are sorted by length into batches; each batch's beam search runs in
 stages, so that sentences whose search has ended leave it on the way, its
-key/value cache grown in windows; one jitted program is kept per shape for
+key/value cache grown in windows (or, with refill, in slots that take the
+next sentence as one ends); one jitted program is kept per shape for
 the process (and on disk for the next one, where the caller passes a
 `compilation_cache.Executables`); `search_bytes` and `device_memory_bytes`
 let the command refuse a search that cannot fit.
@@ -21,9 +22,11 @@ from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.decoding import (cache_windows, check_max_len,
                                       default_max_len, encoded_for_search,
                                       greedy_decode, init_cache, sample_decode,
+                                      slot_cache, slot_tokens_to_logits,
                                       tokens_before_eos)
-from flaxformer_mini.search import (BeamState, check_stopping,
-                                    run_beam_search, start_beam_search,
+from flaxformer_mini.search import (BeamState, check_stopping, fill_slots,
+                                    run_beam_search, run_slots,
+                                    start_beam_search, start_slots,
                                     take_items)
 
 
@@ -71,6 +74,37 @@ def _later_stage(params, src, state: BeamState, items, *,
   return _run_beams(params, src, take_items(state, items), config, **search)
 
 
+def _start_slots(params, *, config: TransformerConfig, slots: int,
+                 beam_size: int, max_len: int, src_len: int) -> BeamState:
+  """Beam search in `slots` empty slots for sources of src_len tokens."""
+  shapes = jax.eval_shape(lambda src: slot_cache(params, src, config, max_len),
+                          jax.ShapeDtypeStruct((slots, src_len), jnp.int32))
+  cache, context = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return start_slots(cache, context, slots=slots, beam_size=beam_size,
+                     max_len=max_len, bos_id=config.bos_id,
+                     pad_id=config.pad_id)
+
+
+def _fill(params, state: BeamState, src, slots, *,
+          config: TransformerConfig) -> BeamState:
+  """The sources src: int32[k, src_len] started in the slots `slots`
+  (int32[k]; past the last: none)."""
+  return fill_slots(state, slots,
+                    *slot_cache(params, src, config, state.max_len),
+                    bos_id=config.bos_id, pad_id=config.pad_id)
+
+
+def _advance(params, state: BeamState, until_done, *,
+             config: TransformerConfig, alpha: float, finished_first: bool,
+             stopping: str) -> BeamState:
+  """The slots' searches on until at least until_done (int32[]) are done."""
+  return run_slots(slot_tokens_to_logits(params, config, state.max_len),
+                   state, until_done=until_done, alpha=alpha,
+                   bos_id=config.bos_id, eos_id=config.eos_id,
+                   pad_id=config.pad_id, finished_first=finished_first,
+                   stopping=stopping)
+
+
 def _sample(params, src, keys, temperature, top_p, **static):
   return sample_decode(params, src, rng=keys, temperature=temperature,
                        top_p=top_p, **static)
@@ -84,6 +118,15 @@ _SEARCH = ('config', 'alpha', 'until_searching', 'finished_first', 'stopping',
 _jit_first_stage = jax.jit(_first_stage, static_argnames=_SEARCH + (
     'beam_size', 'max_len'))
 _jit_later_stage = jax.jit(_later_stage, static_argnames=_SEARCH)
+# The slots' state is handed over whole from call to call: donated, its
+# key/value cache is updated in place instead of copied.
+_jit_start_slots = jax.jit(_start_slots, static_argnames=(
+    'config', 'slots', 'beam_size', 'max_len', 'src_len'))
+_jit_fill = jax.jit(_fill, static_argnames=('config',),
+                    donate_argnames=('state',))
+_jit_advance = jax.jit(_advance, static_argnames=(
+    'config', 'alpha', 'finished_first', 'stopping'),
+                       donate_argnames=('state',))
 _jit_greedy = jax.jit(greedy_decode, static_argnames=('config', 'max_len'))
 _jit_sample = jax.jit(_sample, static_argnames=(
     'config', 'num_samples', 'max_len', 'top_k'))
@@ -178,6 +221,72 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                      **search)
 
 
+def search_in_slots(fill, advance, count: int, slots: int,
+                    fill_rows: int) -> np.ndarray:
+  """Runs `count` items' searches through `slots` slots, refilled as items
+  end: -> int32[count, max_len], each item's best hypothesis.
+
+  fill(slot_ids int32[fill_rows], items int32[fill_rows]) starts the items
+  in those slots (slot id `slots`: none; its item repeats a real one);
+  advance(until_done) steps every slot until at least until_done are done
+  and returns (bool[slots] done, int32[slots, max_len] each slot's best
+  hypothesis). Items are started in order, fill_rows at a time: the slots
+  wait until that many are free, so that starting items (the encoder, for
+  the Transformer) runs on fill_rows sources at once.
+  """
+  owner = np.full(slots, -1)  # the item each slot searches; -1: none
+  best, started = None, 0
+  while True:
+    free = np.flatnonzero(owner < 0)
+    while len(free) and started < count:
+      ids = free[:min(fill_rows, count - started)]
+      items = np.arange(started, started + len(ids))
+      unused = fill_rows - len(ids)
+      fill(np.append(ids, [slots] * unused).astype(np.int32),
+           np.append(items, [items[0]] * unused).astype(np.int32))
+      owner[ids], started, free = items, started + len(ids), free[len(ids):]
+    if (owner < 0).all():
+      return best
+    done, hypotheses = advance(fill_rows if started < count else slots)
+    if best is None:
+      best = np.zeros((count,) + hypotheses.shape[1:], np.int32)
+    ended = done & (owner >= 0)
+    best[owner[ended]] = hypotheses[ended]
+    owner[ended] = -1
+
+
+def _beam_search_in_slots(params, src: np.ndarray, config: TransformerConfig,
+                          beam_size: int, alpha: float, max_len: int,
+                          slots: int, finished_first: bool, stopping: str,
+                          programs=_just_jit) -> np.ndarray:
+  """The best hypothesis of each source: int32[rows, src_len] -> [rows,
+  max_len], searched in `slots` slots refilled as sentences end (three
+  programs whatever the number of sources)."""
+  state = programs('start_slots', _jit_start_slots, params, config=config,
+                   slots=slots, beam_size=beam_size, max_len=max_len,
+                   src_len=src.shape[1])
+  # Placed as the parameters are, as every later state is (made from them):
+  # one placement, one compiled fill.
+  state = jax.device_put(state, jax.tree.leaves(params)[0].sharding)
+
+  def fill(slot_ids, items):
+    nonlocal state
+    state = programs('fill', _jit_fill, params, state, src[items], slot_ids,
+                     config=config)
+
+  def advance(until_done):
+    nonlocal state
+    state = programs('advance', _jit_advance, params, state,
+                     np.int32(until_done), config=config, alpha=alpha,
+                     finished_first=finished_first, stopping=stopping)
+    # Copied whole, sliced on the host: no eager op to compile.
+    return (np.asarray(state.done),
+            np.asarray(state.finished_sequences)[:, 0, 1:])
+
+  return search_in_slots(fill, advance, len(src), slots,
+                         fill_rows=max(1, slots // 8))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """Translations drawn from the model instead of searched (`sample_decode`).
@@ -235,7 +344,8 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
                   *, beam_size: int = 4, alpha: float | None = None,
                   batch_size: int = 64, shrink_batches: bool = True,
                   finished_first: bool = True, stopping: str | None = None,
-                  grow_cache: bool = True, sampling: Sampling | None = None,
+                  grow_cache: bool = True, refill: bool = False,
+                  sampling: Sampling | None = None,
                   executables=None) -> list[list[int]]:
   """The best translation of each source (token ids, no eos), in order.
 
@@ -252,7 +362,13 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   Multi30k test set once compiled, for a second program per batch shape.
   beam_size 1 is greedy search; finished_first: see `beam_search`;
   grow_cache: see `beam_decode` (the same translations, 1.25x faster on the
-  Multi30k test set, for more loop bodies to compile). With
+  Multi30k test set, for more loop bodies to compile). refill: search in
+  `batch_size` slots instead, each taking the next source as soon as its
+  own is done (`search.start_slots`), every source padded to the longest:
+  each translation is the one the source gets searched alone at that
+  length, and three programs serve any input; on a CPU 1.8x slower than
+  the stages on the Multi30k test set, which already search no more steps
+  (docs/performance.md, "Rows that refill"). With
   `sampling`, translations are drawn instead, sampling.num_samples per
   source, consecutive in the list returned. An empty source gives an empty
   translation; sources longer than config.max_len - 1 are cut there.
@@ -270,9 +386,18 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   # compiled per placement of its arguments, and is reused only for the same.
   params = jax.device_put(params, jax.local_devices()[0])
   outputs = [[] for _ in range(len(sources) * draws)]
-  for members, src in _length_batches(config, sources, batch_size):
+  in_slots = refill and beam_size > 1 and not sampling
+  # In slots every source is padded to the longest: one shape, 3 programs.
+  count = sum(1 for ids in sources if len(ids))
+  for members, src in _length_batches(
+      config, sources, max(count, 1) if in_slots else batch_size):
     max_len = default_max_len(config, src.shape[1])
-    if sampling:
+    if in_slots:
+      best = _beam_search_in_slots(
+          params, src, config, beam_size, alpha, max_len,
+          min(batch_size, -(-len(src) // 8) * 8), finished_first, stopping,
+          programs)
+    elif sampling:
       best = _draw(params, src, members, config, sampling, max_len, programs)
     elif beam_size == 1:
       best = np.asarray(programs('greedy', _jit_greedy, params, src,
@@ -293,7 +418,7 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
                     lines: list[str], *, beam_size: int = 4,
                     alpha: float | None = None, batch_size: int = 64,
                     warn=None, finished_first: bool = True,
-                    stopping: str | None = None,
+                    stopping: str | None = None, refill: bool = False,
                     sampling: Sampling | None = None,
                     executables=None) -> list[str]:
   """Translations of `lines`, in order; '' for an empty line.
@@ -302,8 +427,9 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
   Sources longer than config.max_len - 1 tokens are cut there and reported
   through `warn(line_number, length)`. See translate_ids for the search:
   alpha and stopping None are the config's eval_alpha and eval_stopping, as
-  the translate command uses; with `sampling`, sampling.num_samples
-  translations per line, consecutive; executables: see translate_ids.
+  the translate command uses; refill: see translate_ids; with `sampling`,
+  sampling.num_samples translations per line, consecutive; executables:
+  see translate_ids.
   """
   encoded = [tokenizer.encode(line.strip()) if line.strip() else []
              for line in lines]
@@ -313,4 +439,4 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
   return [tokenizer.decode(ids) for ids in translate_ids(
       params, config, encoded, beam_size=beam_size, alpha=alpha,
       batch_size=batch_size, finished_first=finished_first, stopping=stopping,
-      sampling=sampling, executables=executables)]
+      refill=refill, sampling=sampling, executables=executables)]

@@ -299,6 +299,80 @@ def test_a_cache_grown_in_windows_gives_the_same_search_and_cache():
                search.take_items(whole, jnp.asarray(searching)))
 
 
+def _in_slots(tokens_to_logits, items, *, slots, fill_rows, max_len, ids,
+              **search_args):
+  """Each item's best hypothesis, searched in `slots` slots refilled as
+  items end (translation.search_in_slots): items: int32[count], each its
+  own item of the history model. -> (int32[count, max_len], the number of
+  slots searching at each refill)."""
+  def slot_tokens_to_logits(tokens, cache, context):
+    logits, cache = tokens_to_logits(tokens, {**cache, **context})
+    return logits, {'history': cache['history'], 'position': cache['position']}
+
+  item_cache = lambda k: {'history': jnp.zeros((k, max_len), jnp.int32),
+                          'position': jnp.zeros((k,), jnp.int32)}
+  state = search.start_slots(
+      item_cache(slots), {'item': jnp.zeros((slots,), jnp.int32)},
+      slots=slots, beam_size=3, max_len=max_len, bos_id=ids['bos_id'],
+      pad_id=ids['pad_id'])
+  fill = jax.jit(lambda state, slot_ids, new: search.fill_slots(
+      state, slot_ids, item_cache(fill_rows), {'item': new},
+      bos_id=ids['bos_id'], pad_id=ids['pad_id']))
+  run = jax.jit(lambda state, until: search.run_slots(
+      slot_tokens_to_logits, state, until_done=until, alpha=0.6, **ids,
+      **search_args))
+  searching = []
+
+  def fill_some(slot_ids, rows):
+    nonlocal state
+    searching.append(int(np.sum(~np.asarray(state.done))))
+    state = fill(state, slot_ids, jnp.asarray(items)[rows])
+
+  def advance(until):
+    nonlocal state
+    state = run(state, until)
+    return (np.asarray(state.done),
+            np.asarray(state.finished_sequences)[:, 0, 1:])
+
+  best = translation.search_in_slots(fill_some, advance, len(items), slots,
+                                     fill_rows)
+  return best, searching
+
+
+@pytest.mark.parametrize('stopping', search.STOPPING_RULES)
+def test_items_searched_in_refilled_slots_find_what_each_finds_alone(
+    stopping):
+  """Slots at different steps, refilled while the others search on: each
+  item's result is bit for bit its search alone, in the order given."""
+  tokens_to_logits, _, _, ids = _history_search_pieces()
+  items = np.array([5, 0, 3, 6, 1, 4, 2, 6, 0, 5, 3], np.int32)
+  best, searching = _in_slots(tokens_to_logits, items, slots=3, fill_rows=2,
+                              max_len=12, ids=ids, stopping=stopping)
+  assert any(0 < n < 3 for n in searching)  # filled while others searched
+  for row, item in enumerate(items):
+    alone = search.beam_search(
+        tokens_to_logits, {'history': jnp.zeros((1, 12), jnp.int32),
+                           'position': jnp.zeros((1,), jnp.int32),
+                           'item': jnp.array([item])},
+        batch_size=1, beam_size=3, max_len=12, alpha=0.6, stopping=stopping,
+        **ids)
+    np.testing.assert_array_equal(best[row], alone.sequences[0, 0])
+
+
+def test_run_slots_refuses_to_wait_for_more_slots_than_it_has():
+  tokens_to_logits, _, _, ids = _history_search_pieces()
+  with pytest.raises(ValueError, match=r'^until_done=4: must lie in '
+                     r'\[0, slots=3\]\.$'):
+    search.run_slots(
+        lambda tokens, cache, context: tokens_to_logits(tokens, cache),
+        search.start_slots(
+            {'history': jnp.zeros((3, 6), jnp.int32),
+             'position': jnp.zeros((3,), jnp.int32),
+             'item': jnp.zeros((3,), jnp.int32)}, {}, slots=3, beam_size=2,
+            max_len=6, bos_id=ids['bos_id'], pad_id=ids['pad_id']),
+        until_done=4, alpha=0.6, **ids)
+
+
 def test_windows_double_up_to_three_quarters_of_max_len():
   assert search.doubling_windows(30) == ()
   assert search.doubling_windows(66) == search.doubling_windows(98) == (24, 48)
@@ -366,6 +440,35 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
   assert together == alone
   assert translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                 batch_size=32, shrink_batches=False) == alone
+
+
+def test_sentences_searched_in_refilled_slots_come_back_in_order_as_alone(
+    small_copy_config, train_copy_model):
+  """translate_ids(refill=True): 40 sentences of two source lengths through
+  16 slots refilled 2 at a time, in one shape (3 programs); each comes back
+  in its place, as beam_decode finds it alone at that shape."""
+  cfg = small_copy_config
+  state, _, _ = train_copy_model(cfg)
+  rng = np.random.default_rng(1)
+  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                          size=n).tolist()
+             for n in list(rng.integers(1, 7, 37)) + [17, 20, 18]]
+  advance = translation._jit_advance  # pylint: disable=protected-access
+  in_slots = translation.translate_ids(state.params, cfg, sources,
+                                       beam_size=2, batch_size=16,
+                                       refill=True)
+  assert advance._cache_size() == 1  # pylint: disable=protected-access
+  src_len = 32  # the longest source and eos, rounded up to 16
+  search_alone = jax.jit(functools.partial(
+      decoding.beam_decode, config=cfg, beam_size=2, alpha=cfg.eval_alpha,
+      stopping=cfg.eval_stopping))
+  for ids, found in zip(sources, in_slots):
+    src = np.full((1, src_len), cfg.pad_id, np.int32)
+    src[0, :len(ids) + 1] = ids + [cfg.eos_id]
+    alone = search_alone(state.params, src)
+    assert found == decoding.tokens_before_eos(alone.sequences[0, 0],
+                                               cfg.eos_id, cfg.pad_id)
+  assert len(set(map(tuple, in_slots))) > 30  # order shows
 
 
 def test_the_translate_command_compiles_once_whatever_the_params_placement(

@@ -824,6 +824,8 @@ def test_every_input_line_gets_its_own_output_line(tiny_run, tmp_path):
     (['--sample', '--top_p=0'], '--top_p: 0: must lie in (0, 1]'),
     (['--sample', '--temperature=-1'], '--temperature: -1: must be at least 0'),
     (['--sample', '--num_samples=0'], '--num_samples: 0: must be at least 1'),
+    (['--sample', '--refill'],
+     '--refill is for the beam search; --sample draws in batches.'),
 ])
 def test_bad_translate_flags_are_refused_before_the_model_loads(
     tiny_run, flags, expected):

@@ -396,6 +396,20 @@ def test_translate_command_answers_every_line(tiny_run, tmp_path):
   assert 'translate: note' not in again.stderr
   assert sorted(path.name for path in cache.glob('*.executable')) == kept
 
+  # In slots refilled as sentences end: every line answered, three programs.
+  slots = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_mini.translate',
+       f'--workdir={workdir}', '--beam_size=2', '--refill',
+       f'--compilation_cache={cache}'],
+      input='\n'.join(lines) + '\n', capture_output=True, text=True,
+      cwd=ROOT, timeout=600)
+  assert slots.returncode == 0, slots.stderr[-3000:]
+  outputs = slots.stdout.split('\n')[:-1]
+  assert len(outputs) == len(lines) and outputs[1] == outputs[3] == ''
+  added = sorted(path.name.split('-')[0] for path in cache.glob('*.executable')
+                 if path.name not in kept)
+  assert added == ['advance', 'fill', 'start_slots']  # one of each
+
 
 @pytest.mark.slow
 def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
