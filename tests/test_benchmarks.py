@@ -227,6 +227,22 @@ def test_the_cache_windows_benchmark_times_step_parts_and_the_test_set(
 
 
 @pytest.mark.slow
+def test_the_refill_benchmark_counts_row_steps_both_ways(tiny_run, data_slice):
+  workdir, _ = tiny_run
+  result = _benchmark('refill.py', f'--workdir={workdir}',
+                      f'--data_dir={data_slice}', '--rounds=1')
+  assert result['lines'] == 30
+  assert result['same_translations'] == 30  # slots change no output
+  assert result['programs']['slots'] == 3  # start, fill, advance
+  # No search computes fewer steps than every sentence's own.
+  assert min(result['row_steps'].values()) >= result['least_row_steps'] > 0
+  sys.path.insert(0, BENCHMARKS)
+  import refill  # pylint: disable=g-import-not-at-top
+  assert '| slots refilled as sentences end (`--refill`) |' in refill.table(
+      result)
+
+
+@pytest.mark.slow
 def test_the_input_benchmark_measures_a_synthetic_corpus(tmp_path):
   if not os.path.isdir(MULTI30K):
     pytest.skip(f'Multi30k is not at {MULTI30K}')

@@ -1,0 +1,153 @@
+"""What rows that refill buy the translate command's beam search (CPU).
+
+  python benchmarks/refill.py --workdir W [--write_docs]
+
+The test set (--split) of a trained translation run searched as the
+translate command does (translation.translate_ids, beam 4, the run's alpha
+and stopping rule) in its two ways: batches by length in stages, their
+cache grown in windows (the default), and slots refilled as sentences end
+(refill=True). For each: the beam row-steps computed (counted on a
+separate pass, against the least any search computes: every sentence's own
+steps to its end), the programs compiled, and sentences/s once compiled,
+timed in turns; and how many translations are the same. --write_docs
+writes the table into docs/performance.md.
+"""
+
+import argparse
+import statistics
+
+import numpy as np
+
+from flaxformer_mini import translation
+from flaxformer_mini import workdir as workdir_lib
+
+import common
+import translate_command
+
+MODES = {'stages': {}, 'slots': {'refill': True}}
+# The programs each way compiles: the module's jitted functions.
+PROGRAMS = {'stages': ('_jit_first_stage', '_jit_later_stage'),
+            'slots': ('_jit_start_slots', '_jit_fill', '_jit_advance')}
+
+
+def _counted(beams: int) -> dict:
+  """Wraps the jitted search programs to count the beam row-steps they take
+  (and, in slots, each sentence's own steps): -> the live counts."""
+  counts = {'row_steps': {'stages': 0, 'slots': 0}, 'own_steps': []}
+  first, later = translation._jit_first_stage, translation._jit_later_stage  # pylint: disable=protected-access
+  advance = translation._jit_advance  # pylint: disable=protected-access
+
+  def first_stage(params, src, **static):
+    state = first(params, src, **static)
+    counts['row_steps']['stages'] += len(src) * beams * int(state.step)
+    return state
+
+  def later_stage(params, src, state, keep, **static):
+    step = int(state.step)
+    state = later(params, src, state, keep, **static)
+    counts['row_steps']['stages'] += len(src) * beams * (int(state.step) - step)
+    return state
+
+  def advance_slots(params, state, until_done, **static):
+    step, done = np.asarray(state.step), np.asarray(state.done)
+    state = advance(params, state, until_done, **static)
+    new_step, new_done = np.asarray(state.step), np.asarray(state.done)
+    # Every slot steps while one searches: the loop ran as many times as
+    # the slot that stepped most.
+    counts['row_steps']['slots'] += (len(step) * beams *
+                                     int((new_step - step).max()))
+    counts['own_steps'].extend(new_step[new_done & ~done].tolist())
+    return state
+
+  translation._jit_first_stage = first_stage  # pylint: disable=protected-access
+  translation._jit_later_stage = later_stage  # pylint: disable=protected-access
+  translation._jit_advance = advance_slots  # pylint: disable=protected-access
+  return counts
+
+
+def measure(workdir: str, data_dir: str, split: str, rounds: int,
+            beam: int) -> dict:
+  trained = workdir_lib.load_run(workdir)
+  config, vocab = trained.config, trained.tokenizer
+  lines = translate_command.split_lines(data_dir, config, split)
+  sources = [vocab.encode(line) for line in lines]
+  runs = {mode: (lambda kwargs: lambda: translation.translate_ids(
+      trained.params, config, sources, beam_size=beam, **kwargs))(kwargs)
+          for mode, kwargs in MODES.items()}
+  outputs = {mode: run() for mode, run in runs.items()}  # compiles
+  programs = {mode: sum(getattr(translation, name)._cache_size()  # pylint: disable=protected-access
+                        for name in names) for mode, names in PROGRAMS.items()}
+  times = common.interleaved_seconds(runs, rounds)
+  medians = {mode: statistics.median(t) for mode, t in times.items()}
+  jitted = {name: getattr(translation, name)
+            for names in PROGRAMS.values() for name in names}
+  counts = _counted(beam)
+  try:
+    for run in runs.values():
+      run()
+  finally:
+    for name, function in jitted.items():
+      setattr(translation, name, function)
+  least = beam * sum(counts['own_steps'])
+  return {'lines': len(lines), 'split': split, 'beam': beam,
+          'seconds': times,
+          'sentences_per_s': {m: len(lines) / s for m, s in medians.items()},
+          'slots_against_stages': medians['stages'] / medians['slots'],
+          'row_steps': counts['row_steps'],
+          'least_row_steps': least,
+          'over_least': {m: n / least - 1
+                         for m, n in counts['row_steps'].items()},
+          'programs': programs,
+          'same_translations': sum(a == b for a, b in zip(
+              outputs['stages'], outputs['slots']))}
+
+
+def table(result: dict) -> str:
+  env = result['environment']
+  lines = [
+      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
+      f"({env['machine']}), JAX {env['jax']}, by `python "
+      'benchmarks/refill.py --workdir=W --write_docs`: the '
+      f"{result['lines']:,} lines of {result['split']}, beam "
+      f"{result['beam']}, the run's α and stopping rule, medians in turns.",
+      '',
+      '| search | sentences/s | beam row-steps | over the least | '
+      'programs |', '|---|---:|---:|---:|---:|']
+  names = {'stages': 'batches by length, in stages, cache in windows '
+                     '(default)',
+           'slots': 'slots refilled as sentences end (`--refill`)'}
+  for mode, name in names.items():
+    lines.append(
+        f"| {name} | {result['sentences_per_s'][mode]:.0f} | "
+        f"{result['row_steps'][mode]:,} | "
+        f"{result['over_least'][mode]:+.0%} | {result['programs'][mode]} |")
+  lines += ['', f"The least any search computes, every sentence's own steps "
+            f"to its end: {result['least_row_steps']:,} row-steps. "
+            f"{result['same_translations']:,} of {result['lines']:,} "
+            'translations the same.']
+  return '\n'.join(lines)
+
+
+MARKERS = ('<!-- refill:start -->', '<!-- refill:end -->')
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--workdir', required=True,
+                      help='a trained translation workdir')
+  parser.add_argument('--data_dir', default=translate_command.MULTI30K)
+  parser.add_argument('--split', default='test_2016_flickr')
+  parser.add_argument('--beam', type=int, default=4)
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--write_docs', action='store_true')
+  args = parser.parse_args()
+  result = {'environment': common.environment(),
+            **measure(args.workdir, args.data_dir, args.split, args.rounds,
+                      args.beam)}
+  common.emit(result)
+  if args.write_docs:
+    translate_command.write_docs(table(result), MARKERS)
+
+
+if __name__ == '__main__':
+  main()
