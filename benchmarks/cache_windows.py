@@ -6,8 +6,9 @@ A step's parts, per beam row, at a cache of max_len = 82 positions (a
 32-token source + 50, the Multi30k test set's middle batch shape) and at
 the windows beam search now steps in (decoding.cache_windows: 24 and 48):
 the whole step (the decoder's layers, the vocabulary's log-softmax and
-top-k, and the cache reordered with the beams), the step without the
-reordering, and without the vocabulary either. --rows 256 (64 sentences x 4
+top-k, and the cache reordered with the beams), the same with XLA's own
+top-k (jax.lax.top_k, where the search takes search.top_k_in_blocks), the
+step without the reordering, and without the vocabulary either. --rows 256 (64 sentences x 4
 beams), the run's model (without --workdir: the multi30k preset's, random),
 --steps 30 a call, timed in turns.
 
@@ -35,9 +36,10 @@ import translate_command
 BEAMS, SRC_LEN, MAX_LEN = 4, 32, 82
 
 
-def _steps(params, src, config, length: int, reorder: bool, vocab: bool,
+def _steps(params, src, config, length: int, reorder: bool, top_k,
            steps: int):
-  """`steps` decoder steps on a cache of `length` positions -> a scalar."""
+  """`steps` decoder steps on a cache of `length` positions -> a scalar;
+  top_k: the selection of the best candidates, or None (no vocabulary)."""
   tokens_to_logits, cache = decoding.encoded_for_search(params, src, config,
                                                         length)
   rows = src.shape[0]
@@ -47,10 +49,9 @@ def _steps(params, src, config, length: int, reorder: bool, vocab: bool,
   def step(_, carry):
     cache, total = carry
     logits, cache = tokens_to_logits(jnp.full((rows, 1), 5, jnp.int32), cache)
-    if vocab:
+    if top_k:
       log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-      best, _ = jax.lax.top_k(log_probs.reshape(rows // BEAMS, -1),
-                              2 * BEAMS)
+      best, _ = top_k(log_probs.reshape(rows // BEAMS, -1), 2 * BEAMS)
       total += best.sum()
     else:
       total += logits[:, 0].sum()
@@ -67,14 +68,16 @@ def step_parts(params, config, repeats: int, rows: int, steps: int,
   src = jnp.full((rows, min(SRC_LEN, max_len)), 5, jnp.int32)
   run = jax.jit(_steps, static_argnums=(2, 3, 4, 5, 6))
   variants = {
-      'step': (True, True), 'without reordering': (False, True),
-      'decoder layers only': (False, False)}
+      'step': (True, search.top_k_in_blocks),
+      "step, XLA's top-k": (True, jax.lax.top_k),
+      'without reordering': (False, search.top_k_in_blocks),
+      'decoder layers only': (False, None)}
   lengths = (*decoding.cache_windows(max_len).lengths, max_len)
   runs = {}
   for length in lengths:
-    for name, (reorder, vocab) in variants.items():
-      call = (lambda length=length, reorder=reorder, vocab=vocab:
-              run(params, src, config, length, reorder, vocab,
+    for name, (reorder, top_k) in variants.items():
+      call = (lambda length=length, reorder=reorder, top_k=top_k:
+              run(params, src, config, length, reorder, top_k,
                   steps).block_until_ready())
       call()  # compiles
       runs[(name, length)] = call
@@ -117,7 +120,8 @@ def table(result: dict) -> str:
       '| part of a step | ' + ' | '.join(
           f'cache of {n} positions' for n in lengths) + ' |',
       '|---|' + '---:|' * len(lengths)]
-  for name in ('step', 'without reordering', 'decoder layers only'):
+  for name in ('step', "step, XLA's top-k", 'without reordering',
+               'decoder layers only'):
     lines.append(f'| {name} | ' + ' | '.join(
         f"{parts[f'{name} @ {n}']:.0f}" for n in lengths) + ' |')
   if 'test_set' in result:

@@ -373,6 +373,22 @@ def test_run_slots_refuses_to_wait_for_more_slots_than_it_has():
         until_done=4, alpha=0.6, **ids)
 
 
+@pytest.mark.parametrize('rows, n, k', [
+    (3, 40_000, 8), (5, 10_007, 8), (2, 1_000, 3), (4, 30, 8)])
+def test_top_k_in_blocks_is_top_k_ties_and_minus_infinity_included(rows, n, k):
+  rng = np.random.default_rng(n)
+  # Whole numbers: ties among the best, across blocks whose maxima differ;
+  # a tenth -inf (forbidden tokens); one row almost all -inf, so that the
+  # padding's -inf competes with real ones.
+  x = np.round(rng.normal(size=(rows, n)) * 3).astype(np.float32)
+  x[rng.random((rows, n)) < 0.1] = -np.inf
+  x[0, 1:] = -np.inf
+  values, indices = jax.jit(search.top_k_in_blocks, static_argnums=1)(x, k)
+  expected_values, expected_indices = jax.lax.top_k(x, k)
+  np.testing.assert_array_equal(values, expected_values)
+  np.testing.assert_array_equal(indices, expected_indices)
+
+
 def test_windows_double_up_to_three_quarters_of_max_len():
   assert search.doubling_windows(30) == ()
   assert search.doubling_windows(66) == search.doubling_windows(98) == (24, 48)

@@ -216,7 +216,7 @@ def test_the_cache_windows_benchmark_times_step_parts_and_the_test_set(
   parts = result['step_parts']
   assert result['max_len'] == 48  # the tiny run's positional table
   assert set(parts) == {f'{part} @ {length}' for part in (
-      'step', 'without reordering', 'decoder layers only')
+      'step', "step, XLA's top-k", 'without reordering', 'decoder layers only')
                         for length in (24, 48)}
   test_set = result['test_set']
   assert test_set['lines'] == 30
