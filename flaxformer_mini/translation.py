@@ -366,7 +366,7 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   `batch_size` slots instead, each taking the next source as soon as its
   own is done (`search.start_slots`), every source padded to the longest:
   each translation is the one the source gets searched alone at that
-  length, and three programs serve any input; on a CPU 1.8x slower than
+  length, and three programs serve any input; on a CPU 1.9x slower than
   the stages on the Multi30k test set, which already search no more steps
   (docs/performance.md, "Rows that refill"). With
   `sampling`, translations are drawn instead, sampling.num_samples per
