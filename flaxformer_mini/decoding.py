@@ -232,17 +232,21 @@ def greedy_decode(params, src, config: TransformerConfig, *,
       its token ids, then eos, then pad to the row's end (an id past the
       source vocabulary is refused where src is known, outside jit).
     config: the model's config (static under jit).
-    max_len: output positions (static under jit); None: source length + 50,
-      within config.max_len, as beam_decode.
+    max_len: output positions (static under jit); None: the batch's
+      source length + 50, within config.max_len, each sentence cut at its
+      own source length + 50 (`own_limits`), as beam_decode.
 
   Returns:
     int32[batch, max_len] output ids: the tokens, eos, then pad.
   """
-  max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len)
-  return greedy_search(tokens_to_logits, cache, batch_size=src.shape[0],
-                       max_len=max_len, bos_id=config.bos_id,
-                       eos_id=config.eos_id, pad_id=config.pad_id)
+  length = default_max_len(config, src.shape[-1]) if max_len is None else max_len
+  tokens_to_logits, cache = encoded_for_search(params, src, config, length)
+  tokens = greedy_search(tokens_to_logits, cache, batch_size=src.shape[0],
+                         max_len=length, bos_id=config.bos_id,
+                         eos_id=config.eos_id, pad_id=config.pad_id)
+  if max_len is not None:
+    return tokens
+  return _cut_at_limits(tokens, own_limits(src, config, length), config.pad_id)
 
 
 def tokens_before_eos(row, eos_id: int, pad_id: int) -> list[int]:
@@ -255,8 +259,30 @@ def tokens_before_eos(row, eos_id: int, pad_id: int) -> list[int]:
 
 
 def default_max_len(config: TransformerConfig, src_len: int) -> int:
-  """The paper's limit, input length + 50, within the positional table."""
-  return min(src_len + 50, config.max_len)
+  """The paper's limit, input length + 50, within the positional table
+  (src_len may be a jax.export symbolic dimension)."""
+  return jax.core.min_dim(src_len + 50, config.max_len)
+
+
+def own_limits(src, config: TransformerConfig, max_len: int):
+  """Each sentence's own output limit: int32[batch, src_len] -> int32[batch],
+  its source length (tokens and eos, pad not counted) + 50, within max_len.
+
+  A batch is as long as its longest source; with these limits a sentence's
+  output does not depend on how far it was padded (the paper's input length
+  + 50 per sentence).
+  """
+  length = jnp.sum(src != config.pad_id, axis=1, dtype=jnp.int32)
+  return jnp.minimum(length + 50, max_len)
+
+
+def _cut_at_limits(tokens, limits, pad_id: int):
+  """int32[batch, ..., max_len] outputs with every position from each row's
+  limit (int32[batch]) on set to pad: what a search that stopped there
+  would have returned, since no token depends on a later one."""
+  position = jnp.arange(tokens.shape[-1])
+  limits = limits.reshape(limits.shape + (1,) * (tokens.ndim - 1))
+  return jnp.where(position < limits, tokens, pad_id)
 
 
 def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
@@ -270,8 +296,8 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
   The encoder runs once, and the cross-attention keys and values of its
   output are projected once for every beam; the decoder runs one token per
   step with its key/value cache, reordered with the surviving beams. The
-  paper's settings are the defaults: beam 4, alpha 0.6, max_len = source
-  length + 50.
+  paper's settings are the defaults: beam 4, alpha 0.6, and each sentence's
+  output at most its source length + 50 tokens.
 
   Args:
     params: the model parameters.
@@ -279,7 +305,11 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
       its token ids, then eos, then pad to the row's end (an id past the
       source vocabulary is refused where src is known, outside jit).
     config: the model's config.
-    beam_size, alpha, max_len, n_best, finished_first, stopping, on_step:
+    max_len: every sentence's limit on output tokens (static under jit);
+      None: each its own source length + 50 (`own_limits`, so a sentence's
+      result does not depend on how far its batch is padded), the arrays
+      as long as the batch's src_len + 50, within config.max_len.
+    beam_size, alpha, n_best, finished_first, stopping, on_step:
       see `beam_search` ('exact' here, as a library call that wants the most
       probable output; the translate command and evaluations use the run's
       config.eval_stopping). Under jax.jit, config, beam_size, max_len,
@@ -295,15 +325,16 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
     bool[batch, n_best].
   """
   check_sizes(beam_size=beam_size)  # before the encoder output is repeated
-  max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len,
+  length = default_max_len(config, src.shape[-1]) if max_len is None else max_len
+  tokens_to_logits, cache = encoded_for_search(params, src, config, length,
                                                 beam_size)
   return beam_search(
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
-      max_len=max_len, alpha=alpha, bos_id=config.bos_id,
+      max_len=length, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
       finished_first=finished_first, stopping=stopping, on_step=on_step,
-      windows=cache_windows(max_len) if grow_cache else None)
+      windows=cache_windows(length) if grow_cache else None,
+      limits=own_limits(src, config, length) if max_len is None else None)
 
 
 def sample_decode(params, src, config: TransformerConfig, *, rng,
@@ -319,7 +350,8 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
     rng: a PRNG key, or one per sentence (key[batch]): a sentence's samples
       then depend on its own key alone, not on the batch it is drawn in.
     num_samples: translations drawn per sentence (static).
-    max_len: output positions (static); None: source length + 50.
+    max_len: output positions (static); None: the batch's source length +
+      50, each sentence cut at its own + 50, as greedy_decode.
     temperature, top_k, top_p: see `sample_search` (temperature 0 or top_k
       1: greedy).
 
@@ -327,7 +359,10 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
     int32[batch, num_samples, max_len]: each the drawn tokens, eos, then pad.
   """
   check_sizes(num_samples=num_samples)
-  max_len = default_max_len(config, src.shape[-1]) if max_len is None else max_len
+  limits = None
+  if max_len is None:
+    max_len = default_max_len(config, src.shape[-1])
+    limits = own_limits(src, config, max_len)
   tokens_to_logits, _ = encoded_for_search(params, src, config, max_len,
                                             num_samples)
   rows = src.shape[0] * num_samples
@@ -338,4 +373,6 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
       rng=keys.reshape(rows), batch_size=rows, max_len=max_len,
       bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id,
       temperature=temperature, top_k=top_k, top_p=top_p)
-  return tokens.reshape(src.shape[0], num_samples, max_len)
+  tokens = tokens.reshape(src.shape[0], num_samples, max_len)
+  return tokens if limits is None else _cut_at_limits(tokens, limits,
+                                                      config.pad_id)

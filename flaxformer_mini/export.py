@@ -44,7 +44,8 @@ def export_search(params, config, *, beam_size: int = 4,
   src_len <= config.max_len) and returns the best hypothesis of each row:
   tokens int32[batch, max_len] (ids, eos, then pad), scores float32[batch],
   lengths int32[batch] (eos included), reached_eos bool[batch], where
-  max_len = min(src_len + 50, config.max_len) as beam_decode's default.
+  max_len = min(src_len + 50, config.max_len), each row's output at most
+  its own source length + 50 tokens, as beam_decode's default.
   batch and src_len are symbolic: one export serves every shape. alpha
   and stopping None: the config's eval_alpha and eval_stopping, as the
   translate command decodes.
@@ -60,12 +61,9 @@ def export_search(params, config, *, beam_size: int = 4,
   leaves, treedef = jax.tree.flatten(params)
 
   def search(leaves, src):
-    # The default max_len, src_len + 50 within the positional table, as a
-    # symbolic dimension.
-    max_len = jax.core.min_dim(src.shape[1] + 50, config.max_len)
     best = decoding.beam_decode(
         jax.tree.unflatten(treedef, leaves), src, config, beam_size=beam_size,
-        alpha=alpha, max_len=max_len, stopping=stopping)
+        alpha=alpha, stopping=stopping)
     return (best.sequences[:, 0], best.scores[:, 0], best.lengths[:, 0],
             best.reached_eos[:, 0])
 
@@ -89,7 +87,8 @@ def signature(config, beam_size: int, alpha: float, stopping: str) -> dict:
       },
       'outputs': {
           'tokens': ('int32[batch, min(src_len + 50, max_len)]: the best '
-                     'translation, its ids, eos_id if reached, then pad_id'),
+                     'translation, its ids, eos_id if reached, then pad_id; '
+                     "at most its own source's ids and eos + 50"),
           'scores': 'float32[batch]: log p / ((5 + length) / 6) ** alpha',
           'lengths': 'int32[batch]: tokens generated, eos included',
           'reached_eos': ('bool[batch]: False where the translation was cut '
@@ -97,7 +96,7 @@ def signature(config, beam_size: int, alpha: float, stopping: str) -> dict:
       },
       'same_as_the_translate_command': (
           'pad each sentence as the translate command does: cut to max_len - '
-          '1 ids, then to the longest of its batch plus eos rounded up to a '
+          '1 ids, then to the longest of the input plus eos rounded up to a '
           'multiple of 16, within max_len (the output length follows '
           'src_len)'),
       'max_len': config.max_len, 'pad_id': config.pad_id,

@@ -26,6 +26,7 @@ import flax.struct
 import jax
 import jax.export
 import jax.numpy as jnp
+import numpy as np
 
 from flaxformer_mini.config import STOPPING_RULES
 
@@ -293,6 +294,8 @@ class BeamState:
   finished_lengths: jax.Array    # int32[batch, beams]: tokens, eos included
   finished_eos: jax.Array        # bool[batch, beams]: False: cut at max_len
   done: jax.Array                # bool[batch]: ended by the stopping rule
+  limit: jax.Array               # int32[batch]: each item's tokens at most
+                                 # (<= max_len; cut there, and done)
   cache: Any                     # the decoder's cache, [batch * beams, ...] leaves
   max_len: int = flax.struct.field(pytree_node=False)  # positions to generate
 
@@ -334,7 +337,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                 eos_id: int, pad_id: int, n_best: int = 1,
                 finished_first: bool = True, stopping: str = 'exact',
                 on_step: Callable[[BeamState], None] | None = None,
-                windows: CacheWindows | None = None) -> BeamSearchResult:
+                windows: CacheWindows | None = None,
+                limits=None) -> BeamSearchResult:
   """Beam search with a live and a finished pool, all in one lax.while_loop.
 
   Each step extends every live hypothesis by every token and keeps the top
@@ -363,7 +367,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
       shared by all beams).
     batch_size: number of batch items.
     beam_size: hypotheses kept per item.
-    max_len: generated positions at most.
+    max_len: generated positions at most (the arrays' length).
     alpha: length-penalty exponent (0 = raw log-probabilities); may be
       traced (jax.vmap over alphas works).
     bos_id, eos_id, pad_id: first input token, end token, filler after eos.
@@ -393,6 +397,12 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
     windows: grow the cache window by window (`CacheWindows`): the same
       results, each step reading only a window of the cache; None: every
       step reads the whole cache, in one loop.
+    limits: int32[batch], each item's own limit on generated tokens, in
+      [1, max_len] (may be traced): its hypotheses are cut there, and its
+      length penalty's bound is lp(limit), so an item whose limit is below
+      max_len stops no later than with max_len (the paper's source length
+      + 50 per sentence, in a batch padded to its longest). None: max_len
+      for every item.
 
   Returns:
     A BeamSearchResult with [batch, n_best, ...] fields, best first.
@@ -400,7 +410,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
   check_sizes(batch_size=batch_size, beam_size=beam_size, max_len=max_len)
   _check_n_best(n_best, beam_size)
   state = start_beam_search(cache, batch_size=batch_size, beam_size=beam_size,
-                            max_len=max_len, bos_id=bos_id, pad_id=pad_id)
+                            max_len=max_len, bos_id=bos_id, pad_id=pad_id,
+                            limits=limits)
   state = run_beam_search(tokens_to_logits, state, alpha=alpha, bos_id=bos_id,
                           eos_id=eos_id, pad_id=pad_id, n_best=n_best,
                           finished_first=finished_first, stopping=stopping,
@@ -415,21 +426,39 @@ def check_stopping(stopping: str) -> None:
                      f'{", ".join(map(repr, STOPPING_RULES))}.')
 
 
+def _check_limits(limits, batch_size: int, max_len: int):
+  """limits as int32[batch]: max_len where None; refused in one line where
+  known (outside jit) and outside [1, max_len] or of another batch."""
+  if limits is None:
+    return jnp.full((batch_size,), max_len, jnp.int32)
+  if jnp.shape(limits) != (batch_size,):
+    raise ValueError(f'limits of shape {jnp.shape(limits)}: must be one per '
+                     f'item, ({batch_size},).')
+  if not isinstance(limits, jax.core.Tracer):
+    values = np.asarray(limits)
+    if values.min() < 1 or values.max() > max_len:
+      raise ValueError(f'limits from {values.min()} to {values.max()}: each '
+                       f'must lie in [1, max_len={max_len}].')
+  return jnp.asarray(limits, jnp.int32)
+
+
 def _check_n_best(n_best: int, beam_size: int) -> None:
   if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
     raise ValueError(f'n_best={n_best}: must lie in [1, beam_size={beam_size}].')
 
 
 def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
-                      bos_id: int, pad_id: int) -> BeamState:
+                      bos_id: int, pad_id: int, limits=None) -> BeamState:
   """The state before the first step: bos in every sequence, pools empty.
 
   cache: the decoder state, every non-scalar leaf [batch, ...]; expanded
   over beams here. The state's live_sequences and finished_sequences are
-  int32[batch, beams, max_len + 1] (see BeamState).
+  int32[batch, beams, max_len + 1] (see BeamState). limits: int32[batch],
+  each item's limit on generated tokens (see `beam_search`); None: max_len.
   """
   check_sizes(batch_size=batch_size, beam_size=beam_size, max_len=max_len)
   _check_cache_rows(cache, batch_size)
+  limit = _check_limits(limits, batch_size, max_len)
   batch, beams = batch_size, beam_size
   # Column 0 holds bos; step i reads column i and writes column i + 1.
   sequences = jnp.full((batch, beams, max_len + 1), pad_id, jnp.int32)
@@ -447,6 +476,7 @@ def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
       finished_lengths=jnp.zeros((batch, beams), jnp.int32),
       finished_eos=jnp.zeros((batch, beams), bool),
       done=jnp.zeros((batch,), bool),
+      limit=limit,
       cache=_map_beam_rows(lambda leaf: expand_to_beams(leaf, beams), cache),
       max_len=max_len)
 
@@ -531,20 +561,21 @@ def start_slots(cache, context, *, slots: int, beam_size: int, max_len: int,
 
 
 def fill_slots(state: BeamState, slots, cache, context, *, bos_id: int,
-               pad_id: int) -> BeamState:
+               pad_id: int, limits=None) -> BeamState:
   """Starts new items in the slots `slots` (int32[k]); the others search on.
 
   cache, context: the new items', as `start_slots` takes them, every
   non-scalar leaf [k, ...] (one row per item); scalar leaves stay the
   state's. A slot id past the last fills nothing, so that a caller with
   fewer than k new items keeps one shape, one compiled program. Whatever a
-  filled slot held is gone: take its result first.
+  filled slot held is gone: take its result first. limits: int32[k], the
+  new items' limits on generated tokens (see `beam_search`); None: max_len.
   """
   batch, beams = state.live_log_probs.shape
   k = slots.shape[0]
   fresh = start_beam_search((cache, context), batch_size=k, beam_size=beams,
                             max_len=state.max_len, bos_id=bos_id,
-                            pad_id=pad_id).replace(
+                            pad_id=pad_id, limits=limits).replace(
                                 step=jnp.zeros((k,), jnp.int32))
 
   def put(old, new):  # [batch, ...] <- [k, ...] at rows `slots`
@@ -726,7 +757,7 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
   made_beam = jnp.arange(2 * beams) < beams
   eos_scores = jnp.where(made_beam, eos_log_probs, -jnp.inf
                         ) / length_penalty(row_length, alpha)
-  cut_scores = jnp.where(row_length == state.max_len, live_log_probs,
+  cut_scores = jnp.where(row_length == state.limit[:, None], live_log_probs,
                          -jnp.inf) / length_penalty(row_length, alpha)
   # --> [batch, 4 * beams]: everything that may be finished now
   pool_scores = jnp.concatenate(
@@ -755,9 +786,9 @@ def _update_finished(state: BeamState, top_sequences, eos_log_probs,
       finished_lengths=kept(state.finished_lengths,
                             _gather_beams(pool_lengths, picks)),
       finished_eos=kept(state.finished_eos, _gather_beams(pool_eos, picks)),
-      done=state.done | (length >= state.max_len) | _is_done(
+      done=state.done | (length >= state.limit) | _is_done(
           stopping, live_log_probs[:, 0], finished_scores, n_best, length,
-          state.max_len, alpha))
+          state.limit, alpha))
 
 
 def _rank(scores, reached_eos, finished_first: bool):
@@ -802,33 +833,35 @@ def beam_search_result(state: BeamState, n_best: int = 1) -> BeamSearchResult:
       reached_eos=state.finished_eos[:, :n_best])
 
 
-def _cannot_improve(best_live_log_prob, finished_score, length,
-                    max_len: int, alpha: float):
+def _cannot_improve(best_live_log_prob, finished_score, length, limit,
+                    alpha: float):
   """True where no live hypothesis can still beat a finished score.
 
   A live hypothesis of log-probability x <= 0 can only lose probability, and
-  will end with some length L in [length + 1, max_len]. Its best possible score
+  will end with some length L in [length + 1, limit]. Its best possible score
   is max_L x / lp(L) = x / max_L lp(L), and lp is monotonic in L, so the max is
-  at one of the two ends: L = max_len for alpha >= 0, L = length + 1 for
+  at one of the two ends: L = limit for alpha >= 0, L = length + 1 for
   alpha < 0. With an empty finished slot (score -inf) this is False unless no
   live hypothesis is left either.
 
-  best_live_log_prob, finished_score: float32[batch] -> bool[batch].
+  best_live_log_prob, finished_score, limit (each item's): [batch] ->
+  bool[batch].
   """
   largest_penalty = jnp.maximum(length_penalty(length + 1, alpha),
-                                length_penalty(max_len, alpha))
+                                length_penalty(limit, alpha))
   return finished_score >= best_live_log_prob / largest_penalty
 
 
 def _is_done(stopping: str, best_live_log_prob, finished_scores,
-             n_best: int, length, max_len: int, alpha: float):
+             n_best: int, length, limit, alpha: float):
   """Which items the `stopping` rule ends after this step: bool[batch].
 
   best_live_log_prob: float32[batch]; finished_scores: float32[batch, beams],
-  best first (-inf: an empty slot); length: tokens generated so far.
+  best first (-inf: an empty slot); length: tokens generated so far; limit:
+  int32[batch], each item's limit.
   """
   nth_finished = finished_scores[:, n_best - 1]
-  exact = _cannot_improve(best_live_log_prob, nth_finished, length, max_len,
+  exact = _cannot_improve(best_live_log_prob, nth_finished, length, limit,
                           alpha)
   if stopping == 'beam_finished':
     return exact | jnp.all(finished_scores > -jnp.inf, axis=1)

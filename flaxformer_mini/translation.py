@@ -1,8 +1,9 @@
 """Translating many sentences at once, on the host: what the translate command
 and a run's evaluations do with decoding.py's traceable searches.
 
-Sources are sorted by length into batches; each batch's beam search runs in
-stages, so that sentences whose search has ended leave it on the way, its
+Sources are sorted by length into batches, all padded to the input's
+longest source (one shape; each sentence's output still limited by its own
+length); each batch's beam search runs in stages, so that sentences whose search has ended leave it on the way, its
 key/value cache grown in windows (or, with refill, in slots that take the
 next sentence as one ends); one jitted program is kept per shape for
 the process (and on disk for the next one, where the caller passes a
@@ -21,7 +22,8 @@ import numpy as np
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.decoding import (cache_windows, check_max_len,
                                       default_max_len, encoded_for_search,
-                                      greedy_decode, init_cache, sample_decode,
+                                      greedy_decode, init_cache, own_limits,
+                                      sample_decode,
                                       slot_cache, slot_tokens_to_logits,
                                       tokens_before_eos)
 from flaxformer_mini.search import (BeamState, check_stopping, fill_slots,
@@ -30,14 +32,16 @@ from flaxformer_mini.search import (BeamState, check_stopping, fill_slots,
                                     take_items)
 
 
-def _start_beams(config: TransformerConfig, batch_size: int, beam_size: int,
+def _start_beams(src, config: TransformerConfig, beam_size: int,
                  max_len: int) -> BeamState:
-  """Transformer(config)'s beam search before its first step."""
+  """Transformer(config)'s beam search of the sources src: int32[rows,
+  src_len] before its first step, each limited to its own length + 50."""
   check_max_len(config, max_len)
-  return start_beam_search(init_cache(config, batch_size, max_len),
-                           batch_size=batch_size, beam_size=beam_size,
+  return start_beam_search(init_cache(config, src.shape[0], max_len),
+                           batch_size=src.shape[0], beam_size=beam_size,
                            max_len=max_len, bos_id=config.bos_id,
-                           pad_id=config.pad_id)
+                           pad_id=config.pad_id,
+                           limits=own_limits(src, config, max_len))
 
 
 def _run_beams(params, src, state: BeamState, config: TransformerConfig,
@@ -63,7 +67,7 @@ def _first_stage(params, src, *, config: TransformerConfig, beam_size: int,
                  max_len: int, **search) -> BeamState:
   """The beam search of the sources src: int32[rows, src_len] from its start
   until at most search['until_searching'] items are still searching."""
-  state = _start_beams(config, src.shape[0], beam_size, max_len)
+  state = _start_beams(src, config, beam_size, max_len)
   return _run_beams(params, src, state, config, **search)
 
 
@@ -88,10 +92,11 @@ def _start_slots(params, *, config: TransformerConfig, slots: int,
 def _fill(params, state: BeamState, src, slots, *,
           config: TransformerConfig) -> BeamState:
   """The sources src: int32[k, src_len] started in the slots `slots`
-  (int32[k]; past the last: none)."""
+  (int32[k]; past the last: none), each limited to its own length + 50."""
   return fill_slots(state, slots,
                     *slot_cache(params, src, config, state.max_len),
-                    bos_id=config.bos_id, pad_id=config.pad_id)
+                    bos_id=config.bos_id, pad_id=config.pad_id,
+                    limits=own_limits(src, config, state.max_len))
 
 
 def _advance(params, state: BeamState, until_done, *,
@@ -127,9 +132,9 @@ _jit_fill = jax.jit(_fill, static_argnames=('config',),
 _jit_advance = jax.jit(_advance, static_argnames=(
     'config', 'alpha', 'finished_first', 'stopping'),
                        donate_argnames=('state',))
-_jit_greedy = jax.jit(greedy_decode, static_argnames=('config', 'max_len'))
+_jit_greedy = jax.jit(greedy_decode, static_argnames=('config',))
 _jit_sample = jax.jit(_sample, static_argnames=(
-    'config', 'num_samples', 'max_len', 'top_k'))
+    'config', 'num_samples', 'top_k'))
 
 
 def _just_jit(name: str, jitted, *args, **static):
@@ -306,18 +311,24 @@ def _length_batches(config: TransformerConfig, sources: list[list[int]],
   """The non-empty sources sorted by length into batches: yields (members,
   src int32[batch_size, length]), member r's ids + eos in row r.
 
-  Lengths are rounded up to multiples of 16 to bound the number of shapes,
-  hence of programs to compile; rows past the last member repeat the first
-  (their outputs are dropped); sources longer than config.max_len - 1 are
-  cut there.
+  Every batch has one length, the longest source's rounded up to a
+  multiple of 16: one shape, so two programs for the whole input (a file
+  of similar length reuses them). A shorter source's output is still
+  limited by its own length (`own_limits`), and a step's attention over
+  the padded source costs little next to the output vocabulary's
+  projection (docs/performance.md). Rows past the last member repeat the
+  first (their outputs are dropped); sources longer than config.max_len - 1
+  are cut there.
   """
   limit = config.max_len - 1  # room for eos
   order = sorted((i for i, ids in enumerate(sources) if len(ids)),
                  key=lambda i: len(sources[i]))
+  if not order:
+    return
+  longest = min(len(sources[order[-1]]) + 1, config.max_len)
+  length = min(-(-longest // 16) * 16, config.max_len)
   for start in range(0, len(order), batch_size):
     members = order[start:start + batch_size]
-    longest = min(max(len(sources[i]) for i in members) + 1, config.max_len)
-    length = min(-(-longest // 16) * 16, config.max_len)
     src = np.full((batch_size, length), config.pad_id, np.int32)
     for row in range(batch_size):
       member = members[row] if row < len(members) else members[0]
@@ -327,7 +338,7 @@ def _length_batches(config: TransformerConfig, sources: list[list[int]],
 
 
 def _draw(params, src, members: list[int], config: TransformerConfig,
-          sampling: Sampling, max_len: int, programs) -> np.ndarray:
+          sampling: Sampling, programs) -> np.ndarray:
   """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
   # Filler rows past the members repeat the first, as _length_batches fills them.
   rows = members + members[:1] * (len(src) - len(members))
@@ -336,8 +347,7 @@ def _draw(params, src, members: list[int], config: TransformerConfig,
   return np.asarray(programs(
       'sample', _jit_sample, params, src, keys,
       jnp.float32(sampling.temperature), jnp.float32(sampling.top_p),
-      config=config, num_samples=sampling.num_samples, max_len=max_len,
-      top_k=sampling.top_k))
+      config=config, num_samples=sampling.num_samples, top_k=sampling.top_k))
 
 
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
@@ -355,8 +365,11 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   `beam_search`).
 
   Sources are sorted by length into batches of `batch_size`, so that the
-  sentences of a batch are padded little and tend to end at similar steps
-  (`_length_batches`). With shrink_batches the sentences whose beam search
+  sentences of a batch tend to end at similar steps, each padded to the
+  input's longest (`_length_batches`: one shape, two programs for the
+  Multi30k test set) and its output limited to its own length + 50
+  (`decoding.own_limits`), so its translation does not depend on the other
+  sources. With shrink_batches the sentences whose beam search
   has ended leave their batch on the way (`_beam_search_in_stages`): the
   same translations as one stage (shrink_batches=False), 1.4x faster on the
   Multi30k test set once compiled, for a second program per batch shape.
@@ -364,9 +377,8 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   grow_cache: see `beam_decode` (the same translations, 1.34x faster on the
   Multi30k test set, for more loop bodies to compile). refill: search in
   `batch_size` slots instead, each taking the next source as soon as its
-  own is done (`search.start_slots`), every source padded to the longest:
-  each translation is the one the source gets searched alone at that
-  length, and three programs serve any input; on a CPU 1.9x slower than
+  own is done (`search.start_slots`): each translation is the one the
+  source gets searched alone, and three programs serve any input; on a CPU 1.9x slower than
   the stages on the Multi30k test set, which already search no more steps
   (docs/performance.md, "Rows that refill"). With
   `sampling`, translations are drawn instead, sampling.num_samples per
@@ -387,7 +399,7 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   params = jax.device_put(params, jax.local_devices()[0])
   outputs = [[] for _ in range(len(sources) * draws)]
   in_slots = refill and beam_size > 1 and not sampling
-  # In slots every source is padded to the longest: one shape, 3 programs.
+  # In slots the sources are one batch: one shape, 3 programs.
   count = sum(1 for ids in sources if len(ids))
   for members, src in _length_batches(
       config, sources, max(count, 1) if in_slots else batch_size):
@@ -398,10 +410,10 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
           min(batch_size, -(-len(src) // 8) * 8), finished_first, stopping,
           programs)
     elif sampling:
-      best = _draw(params, src, members, config, sampling, max_len, programs)
+      best = _draw(params, src, members, config, sampling, programs)
     elif beam_size == 1:
       best = np.asarray(programs('greedy', _jit_greedy, params, src,
-                                 config=config, max_len=max_len))
+                                 config=config))
     else:
       best = _beam_search_in_stages(params, src, config, beam_size, alpha,
                                     max_len, shrink_batches, finished_first,

@@ -458,6 +458,32 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
                                 batch_size=32, shrink_batches=False) == alone
 
 
+def test_a_file_s_sentences_share_one_source_length_and_keep_their_own_limits(
+    small_copy_config, train_copy_model):
+  """translate_ids pads every batch to the file's longest source (one shape:
+  one first-stage program for short and long sentences), and each sentence
+  still gets what it gets alone, padded only to its own length, under every
+  stopping rule: its output limit is its own length + 50, not the file's."""
+  cfg = small_copy_config
+  state, _, _ = train_copy_model(cfg)
+  rng = np.random.default_rng(2)
+  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                          size=n).tolist()
+             for n in list(rng.integers(1, 7, 20)) + [40, 3]]
+  first = translation._jit_first_stage  # pylint: disable=protected-access
+  for stopping in search.STOPPING_RULES:
+    before = first._cache_size()  # pylint: disable=protected-access
+    together = translation.translate_ids(state.params, cfg, sources,
+                                         beam_size=2, batch_size=8,
+                                         stopping=stopping)
+    # Three batches of 8, the last with the 40-token source: one shape.
+    assert first._cache_size() == before + 1  # pylint: disable=protected-access
+    alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
+                                       batch_size=1, stopping=stopping)[0]
+             for ids in sources]
+    assert together == alone
+
+
 def test_sentences_searched_in_refilled_slots_come_back_in_order_as_alone(
     small_copy_config, train_copy_model):
   """translate_ids(refill=True): 40 sentences of two source lengths through
@@ -573,7 +599,8 @@ def test_a_batch_sharded_over_eight_devices_decodes_as_on_one():
   assert report['score_gap'] < 1e-5
 
 
-def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40):
+def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40,
+                      limit=None):
   """The step at which a hand-made search is done under a stopping rule.
 
   The chain: from any token, eos 0.6 and a 0.4 (nothing else). With
@@ -585,7 +612,8 @@ def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40):
       45 / 6: k = 5;
     exact, n_best 2: the same against the second finished score, [a, eos]'s
       (log 0.4 + log 0.6) / lp(2) = -1.22: k = 11 (the rule before n_best
-      counted, which waited for the worst of the beam's finished ones).
+      counted, which waited for the worst of the beam's finished ones);
+    exact, the item's limit 10: the bound is lp(10) = 15 / 6: k = 2.
   """
   pad, bos, eos, a = range(4)
   probs = np.tile([0, 0, 0.6, 0.4], (4, 1))  # the same from every token
@@ -603,7 +631,8 @@ def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40):
   result = search.beam_search(
       tokens_to_logits, jnp.zeros((1,)), batch_size=1, beam_size=beam_size,
       max_len=max_len, alpha=1.0, bos_id=bos, eos_id=eos, pad_id=pad,
-      n_best=n_best, stopping=stopping, on_step=on_step)
+      n_best=n_best, stopping=stopping, on_step=on_step,
+      limits=None if limit is None else jnp.array([limit]))
   jax.effects_barrier()
   np.testing.assert_array_equal(result.sequences[0, 0, :2], [eos, pad])
   return steps[0]
@@ -614,6 +643,45 @@ def test_each_stopping_rule_ends_the_search_at_the_step_it_should():
   assert _steps_until_done('beam_finished') == 2
   assert _steps_until_done('exact') == 5
   assert _steps_until_done('exact', n_best=2) == 11
+  assert _steps_until_done('exact', limit=10) == 2
+  assert _steps_until_done('exact', max_len=10) == 2
+
+
+@pytest.mark.parametrize('stopping', search.STOPPING_RULES)
+def test_each_item_s_limit_ends_its_search_as_that_max_len_would(stopping):
+  """Items of one batch with limits of their own: each returns what it
+  returns searched alone with max_len = its limit (cut there, bounded by it),
+  padded after; limits of max_len change nothing."""
+  tokens_to_logits, _, cache, ids = _history_search_pieces()
+  limits = np.array([3, 12, 5, 8, 1, 12, 7, 4], np.int32)
+  run = lambda cache, max_len, **kw: search.beam_search(
+      tokens_to_logits, cache, batch_size=len(cache['item']), beam_size=3,
+      max_len=max_len, alpha=0.6, n_best=3, stopping=stopping, **ids, **kw)
+  limited = jax.jit(lambda limits: run(cache, 12, limits=limits))(limits)
+  assert not np.asarray(limited.reached_eos).all()  # some were cut
+  for i, limit in enumerate(limits):
+    one = jax.tree.map(lambda leaf, i=i: leaf[i:i + 1], cache)
+    alone = run({**one, 'history': one['history'][:, :limit]}, int(limit))
+    np.testing.assert_array_equal(limited.sequences[i, :, :limit],
+                                  alone.sequences[0])
+    assert (np.asarray(limited.sequences[i, :, limit:]) == ids['pad_id']).all()
+    for field in ('scores', 'lengths', 'reached_eos'):
+      np.testing.assert_array_equal(getattr(limited, field)[i],
+                                    getattr(alone, field)[0])
+  jax.tree.map(np.testing.assert_array_equal,
+               run(cache, 12, limits=np.full(8, 12)), run(cache, 12))
+
+
+def test_limits_outside_the_search_are_one_line():
+  tokens_to_logits, _, cache, ids = _history_search_pieces()
+  for limits, message in (
+      (np.array([3, 13] * 4), r'^limits from 3 to 13: each must lie in '
+       r'\[1, max_len=12\]\.$'),
+      (np.array([3, 5]), r'^limits of shape \(2,\): must be one per item, '
+       r'\(8,\)\.$')):
+    with pytest.raises(ValueError, match=message):
+      search.beam_search(tokens_to_logits, cache, batch_size=8, beam_size=3,
+                         max_len=12, alpha=0.6, limits=limits, **ids)
 
 
 @pytest.mark.parametrize('stopping', search.STOPPING_RULES)

@@ -8,6 +8,7 @@ import pytest
 from flaxformer_mini import decoding, search, translation
 from flaxformer_mini.masks import padding_mask, target_mask
 from flaxformer_mini.model import Transformer
+from flaxformer_mini.training import init_params
 
 
 def _full_logits(cfg, params, src, tgt_in):
@@ -165,10 +166,26 @@ def test_logits_with_a_length_axis_of_one_are_taken_by_both_searches():
     np.testing.assert_array_equal(greedy, beam.sequences[:, 0])
 
 
-def test_greedy_decode_defaults_max_len_as_beam_decode(toy_model):
-  cfg, params, src = toy_model
-  assert decoding.greedy_decode(params, src, cfg).shape == (
-      4, decoding.default_max_len(cfg, src.shape[1]))
+def test_greedy_and_sampling_cut_each_sentence_at_its_own_length_plus_50(
+    toy_model):
+  """As beam_decode: the batch's src_len + 50 positions, and a sentence
+  padded within its batch gets what it gets alone (source 2 tokens: 52).
+  These parameters never draw eos for that source, so it runs to its limit."""
+  cfg, _, src = toy_model
+  params = init_params(cfg, jax.random.key(1))
+  keys = jax.random.split(jax.random.key(5), 4)
+  decode = {
+      'greedy': lambda src: decoding.greedy_decode(params, src, cfg),
+      'sample': lambda src: decoding.sample_decode(
+          params, src, cfg, rng=keys[3:] if len(src) == 1 else keys,
+          temperature=0.5)[:, 0]}
+  for name, run in decode.items():
+    batch = np.asarray(run(src))
+    assert batch.shape == (4, decoding.default_max_len(cfg, src.shape[1])), name
+    alone = np.asarray(run(src[3:, :2]))
+    assert alone.shape == (1, 52) and (alone != cfg.eos_id).all(), name
+    np.testing.assert_array_equal(batch[3, :52], alone[0], err_msg=name)
+    assert (batch[3, 52:] == cfg.pad_id).all(), name
 
 
 def test_the_mask_helpers_and_the_length_penalty_are_exported():
