@@ -269,7 +269,8 @@ class BeamSearchResult:
     scores: float32[batch, n_best], log p(sequence) / length_penalty(length).
     lengths: int32[batch, n_best], generated tokens, eos included.
     reached_eos: bool[batch, n_best]; False for a hypothesis that was cut at
-      max_len without eos (scored the same way, with length max_len).
+      its item's limit (max_len, or its own `limits` entry) without eos
+      (scored the same way, with that length).
   """
   sequences: jax.Array
   scores: jax.Array
@@ -292,7 +293,7 @@ class BeamState:
   finished_sequences: jax.Array  # int32[batch, beams, max_len + 1]
   finished_scores: jax.Array     # float32[batch, beams]: log p / lp; -inf: empty
   finished_lengths: jax.Array    # int32[batch, beams]: tokens, eos included
-  finished_eos: jax.Array        # bool[batch, beams]: False: cut at max_len
+  finished_eos: jax.Array        # bool[batch, beams]: False: cut at limit
   done: jax.Array                # bool[batch]: ended by the stopping rule
   limit: jax.Array               # int32[batch]: each item's tokens at most
                                  # (<= max_len; cut there, and done)
