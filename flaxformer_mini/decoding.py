@@ -239,14 +239,13 @@ def greedy_decode(params, src, config: TransformerConfig, *,
   Returns:
     int32[batch, max_len] output ids: the tokens, eos, then pad.
   """
-  length = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, cache = encoded_for_search(params, src, config, length)
-  tokens = greedy_search(tokens_to_logits, cache, batch_size=src.shape[0],
-                         max_len=length, bos_id=config.bos_id,
-                         eos_id=config.eos_id, pad_id=config.pad_id)
-  if max_len is not None:
-    return tokens
-  return _cut_at_limits(tokens, own_limits(src, config, length), config.pad_id)
+  max_len, limits = _output_limits(src, config, max_len)
+  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len)
+  return _cut_at_limits(
+      greedy_search(tokens_to_logits, cache, batch_size=src.shape[0],
+                    max_len=max_len, bos_id=config.bos_id,
+                    eos_id=config.eos_id, pad_id=config.pad_id),
+      limits, config.pad_id)
 
 
 def tokens_before_eos(row, eos_id: int, pad_id: int) -> list[int]:
@@ -276,10 +275,25 @@ def own_limits(src, config: TransformerConfig, max_len: int):
   return jnp.minimum(length + 50, max_len)
 
 
+def _output_limits(src, config: TransformerConfig, max_len: int | None):
+  """The entry points' output length and each sentence's limit: (max_len,
+  None) where max_len is given; else (the batch's src_len + 50 within
+  config.max_len, `own_limits`). src is checked first: a malformed one is
+  named in one line before its shape is read."""
+  check_src(src, config)
+  if max_len is not None:
+    return max_len, None
+  max_len = default_max_len(config, src.shape[-1])
+  return max_len, own_limits(src, config, max_len)
+
+
 def _cut_at_limits(tokens, limits, pad_id: int):
   """int32[batch, ..., max_len] outputs with every position from each row's
-  limit (int32[batch]) on set to pad: what a search that stopped there
-  would have returned, since no token depends on a later one."""
+  limit (int32[batch]; None: none) on set to pad: what a search that
+  stopped there would have returned, since no token depends on a later
+  one."""
+  if limits is None:
+    return tokens
   position = jnp.arange(tokens.shape[-1])
   limits = limits.reshape(limits.shape + (1,) * (tokens.ndim - 1))
   return jnp.where(position < limits, tokens, pad_id)
@@ -325,16 +339,15 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
     bool[batch, n_best].
   """
   check_sizes(beam_size=beam_size)  # before the encoder output is repeated
-  length = default_max_len(config, src.shape[-1]) if max_len is None else max_len
-  tokens_to_logits, cache = encoded_for_search(params, src, config, length,
+  max_len, limits = _output_limits(src, config, max_len)
+  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len,
                                                 beam_size)
   return beam_search(
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
-      max_len=length, alpha=alpha, bos_id=config.bos_id,
+      max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
       finished_first=finished_first, stopping=stopping, on_step=on_step,
-      windows=cache_windows(length) if grow_cache else None,
-      limits=own_limits(src, config, length) if max_len is None else None)
+      windows=cache_windows(max_len) if grow_cache else None, limits=limits)
 
 
 def sample_decode(params, src, config: TransformerConfig, *, rng,
@@ -359,10 +372,7 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
     int32[batch, num_samples, max_len]: each the drawn tokens, eos, then pad.
   """
   check_sizes(num_samples=num_samples)
-  limits = None
-  if max_len is None:
-    max_len = default_max_len(config, src.shape[-1])
-    limits = own_limits(src, config, max_len)
+  max_len, limits = _output_limits(src, config, max_len)
   tokens_to_logits, _ = encoded_for_search(params, src, config, max_len,
                                             num_samples)
   rows = src.shape[0] * num_samples
@@ -373,6 +383,5 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
       rng=keys.reshape(rows), batch_size=rows, max_len=max_len,
       bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id,
       temperature=temperature, top_k=top_k, top_p=top_p)
-  tokens = tokens.reshape(src.shape[0], num_samples, max_len)
-  return tokens if limits is None else _cut_at_limits(tokens, limits,
-                                                      config.pad_id)
+  return _cut_at_limits(tokens.reshape(src.shape[0], num_samples, max_len),
+                        limits, config.pad_id)
