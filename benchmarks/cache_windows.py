@@ -6,9 +6,11 @@ A step's parts, per beam row, at a cache of max_len = 82 positions (a
 32-token source + 50, the Multi30k test set's middle batch shape) and at
 the windows beam search now steps in (decoding.cache_windows: 24 and 48):
 the whole step (the decoder's layers, the vocabulary's log-softmax and
-top-k, and the cache reordered with the beams), the same with XLA's own
-top-k (jax.lax.top_k, where the search takes search.top_k_in_blocks), the
-step without the reordering, and without the vocabulary either. --rows 256 (64 sentences x 4
+top-k, and the cache reordered with the beams), the same with the
+cross-attention keys and values repeated for every beam (where the search
+reads them once per sentence), with XLA's own top-k (jax.lax.top_k, where
+the search takes search.top_k_in_blocks), the step without the reordering,
+and without the vocabulary either. --rows 256 (64 sentences x 4
 beams), the run's model (without --workdir: the multi30k preset's, random),
 --steps 30 a call, timed in turns.
 
@@ -37,12 +39,18 @@ BEAMS, SRC_LEN, MAX_LEN = 4, 32, 82
 
 
 def _steps(params, src, config, length: int, reorder: bool, top_k,
-           steps: int):
-  """`steps` decoder steps on a cache of `length` positions -> a scalar;
-  top_k: the selection of the best candidates, or None (no vocabulary)."""
-  tokens_to_logits, cache = decoding.encoded_for_search(params, src, config,
-                                                        length)
-  rows = src.shape[0]
+           steps: int, per_beam: bool = False):
+  """`steps` decoder steps of src's BEAMS beams each on a cache of `length`
+  positions -> a scalar; top_k: the selection of the best candidates, or
+  None (no vocabulary); per_beam: the encoder output repeated for every
+  beam, so that each beam row reads its own copy of the cross-attention
+  keys and values (as the search did before they were read once per
+  sentence)."""
+  rows = src.shape[0] * BEAMS
+  tokens_to_logits, _ = decoding.encoded_for_search(
+      params, search.expand_to_beams(src, BEAMS) if per_beam else src,
+      config, length)
+  cache = decoding.init_cache(config, rows, length)
   # Every item's beams swapped around: a reordering that moves every row.
   beams = jnp.arange(rows).reshape(-1, BEAMS)[:, ::-1] % BEAMS
 
@@ -62,23 +70,27 @@ def _steps(params, src, config, length: int, reorder: bool, top_k,
   return jax.lax.fori_loop(0, steps, step, (cache, 0.0))[1]
 
 
+# name -> _steps's (reorder, top_k[, per_beam]).
+VARIANTS = {
+    'step': (True, search.top_k_in_blocks),
+    'step, cross-attention per beam': (True, search.top_k_in_blocks, True),
+    "step, XLA's top-k": (True, jax.lax.top_k),
+    'without reordering': (False, search.top_k_in_blocks),
+    'decoder layers only': (False, None)}
+
+
 def step_parts(params, config, repeats: int, rows: int, steps: int,
                max_len: int) -> dict:
   """Microseconds per row-step of each part at each cache length."""
-  src = jnp.full((rows, min(SRC_LEN, max_len)), 5, jnp.int32)
-  run = jax.jit(_steps, static_argnums=(2, 3, 4, 5, 6))
-  variants = {
-      'step': (True, search.top_k_in_blocks),
-      "step, XLA's top-k": (True, jax.lax.top_k),
-      'without reordering': (False, search.top_k_in_blocks),
-      'decoder layers only': (False, None)}
+  src = jnp.full((rows // BEAMS, min(SRC_LEN, max_len)), 5, jnp.int32)
+  run = jax.jit(_steps, static_argnums=(2, 3, 4, 5, 6, 7))
   lengths = (*decoding.cache_windows(max_len).lengths, max_len)
   runs = {}
   for length in lengths:
-    for name, (reorder, top_k) in variants.items():
-      call = (lambda length=length, reorder=reorder, top_k=top_k:
-              run(params, src, config, length, reorder, top_k,
-                  steps).block_until_ready())
+    for name, variant in VARIANTS.items():
+      call = (lambda length=length, variant=variant:
+              run(params, src, config, length, *variant[:2], steps,
+                  *variant[2:]).block_until_ready())
       call()  # compiles
       runs[(name, length)] = call
   times = common.interleaved_seconds(runs, repeats)
@@ -120,8 +132,7 @@ def table(result: dict) -> str:
       '| part of a step | ' + ' | '.join(
           f'cache of {n} positions' for n in lengths) + ' |',
       '|---|' + '---:|' * len(lengths)]
-  for name in ('step', "step, XLA's top-k", 'without reordering',
-               'decoder layers only'):
+  for name in VARIANTS:
     lines.append(f'| {name} | ' + ' | '.join(
         f"{parts[f'{name} @ {n}']:.0f}" for n in lengths) + ' |')
   if 'test_set' in result:

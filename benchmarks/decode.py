@@ -45,9 +45,8 @@ def decode_without_eos(params, src, config, beam_size: int, gen_len: int,
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
   cache = decoding.init_cache(config, src.shape[0], gen_len)
-  if beam_size > 1:
-    encoded = search.expand_to_beams(encoded, beam_size)
-    src_mask = search.expand_to_beams(src_mask, beam_size)
+  # One row of encoder output per sentence: its beams' queries read it
+  # together (attention.grouped_attention).
   if cross_kv_once:
     step = decoding.transformer_tokens_to_logits(params, config, encoded,
                                                  src_mask)

@@ -54,6 +54,47 @@ def scaled_dot_product_attention(
   return output, scores, weights
 
 
+def grouped_attention(query, key, value, mask=None, dropout=lambda w: w):
+  """scaled_dot_product_attention where every k consecutive query rows share
+  one row of keys and values: a search's beams (or samples) of one sentence
+  attending to its encoder output.
+
+  Args:
+    query: dtype[batch * k, heads, q_len, d_k].
+    key, value: dtype[batch, heads, k_len, d_k] (k = 1: plain attention).
+    mask: bool, broadcastable to [batch, heads, 1, k_len] where k > 1 (one
+      row per key row, or 1), else to [batch, heads, q_len, k_len].
+    dropout: as scaled_dot_product_attention's.
+
+  Returns:
+    (output dtype[batch * k, heads, q_len, d_k], scores and weights
+    float32[batch, heads, k * q_len, k_len]: row i's queries at rows
+    i * k ... of the sentence's block).
+
+  Each query row attends exactly as it would to its own copy of the keys
+  (softmax is per query), but a row's keys are read once for its k queries:
+  a batched matrix product instead of k matrix-vector products. In a beam
+  search step that is most of the cross-attention's memory traffic
+  (docs/performance.md, "Cross-attention once per sentence").
+  """
+  rows, heads, q_len, d_k = query.shape
+  batch = key.shape[0]
+  if rows == batch:
+    return scaled_dot_product_attention(query, key, value, mask, dropout)
+  if rows % batch:
+    raise ValueError(
+        f'{rows} query rows against {batch} rows of keys: the query rows '
+        'must be k per key row, consecutive (expand_to_beams order).')
+  k = rows // batch
+  grouped = query.reshape(batch, k, heads, q_len, d_k).transpose(
+      0, 2, 1, 3, 4).reshape(batch, heads, k * q_len, d_k)
+  output, scores, weights = scaled_dot_product_attention(
+      grouped, key, value, mask, dropout)
+  output = output.reshape(batch, heads, k, q_len, d_k).transpose(
+      0, 2, 1, 3, 4).reshape(rows, heads, q_len, d_k)
+  return output, scores, weights
+
+
 def split_heads(x, num_heads: int):
   """x: dtype[batch, len, d_model] -> dtype[batch, heads, len, d_k]."""
   batch, length, d_model = x.shape
@@ -80,7 +121,7 @@ class MultiHeadAttention(nn.Module):
   (`cross_attention=True`) attends to the encoder output, which is fixed for
   the whole search: its keys and values are projected once into the
   'cross_kv' collection (`decoding.project_cross_kv`) and read from there at
-  every step.
+  every step, one row per sentence for all of its beams (`grouped_attention`).
   """
   config: TransformerConfig
   cross_attention: bool = False
@@ -94,10 +135,12 @@ class MultiHeadAttention(nn.Module):
       inputs_q: dtype[batch, q_len, d_model], where the queries come from.
       inputs_kv: dtype[batch, k_len, d_model], where the keys and values come
         from (the same tensor for self-attention; the encoder output for
-        cross-attention).
-      mask: bool, broadcastable to [batch, heads, q_len, k_len]. Ignored by
-        self-attention in incremental decoding, where the cache supplies the
-        causal mask.
+        cross-attention). In incremental cross-attention its keys and values
+        may have one row per k query rows (batch / k: a search's beams of
+        one sentence, consecutive), read once for all k.
+      mask: bool, broadcastable to [batch, heads, q_len, k_len] (one row per
+        row of keys). Ignored by self-attention in incremental decoding,
+        where the cache supplies the causal mask.
       deterministic: disables dropout.
       incremental: one step of decoding: self-attention reads and extends
         the key/value cache; cross-attention reads 'cross_kv' where it is
@@ -124,7 +167,7 @@ class MultiHeadAttention(nn.Module):
 
     # 2) Scaled dot-product attention in every head at once.
     dropout = nn.Dropout(cfg.attention_dropout_rate)
-    heads, scores, weights = scaled_dot_product_attention(
+    heads, scores, weights = grouped_attention(
         query, key, value, mask,
         dropout=lambda w: dropout(w, deterministic=deterministic))
     self.sow('intermediates', 'scores', scores)

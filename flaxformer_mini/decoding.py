@@ -23,7 +23,7 @@ from flaxformer_mini.model import Transformer
 from flaxformer_mini.search import (BeamSearchResult, BeamState,
                                     CacheWindows, TokensToLogits, beam_search,
                                     check_sizes, doubling_windows,
-                                    expand_to_beams, greedy_search,
+                                    greedy_search,
                                     keys_per_row, sample_search)
 
 
@@ -99,16 +99,19 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
   Args:
     params: the model parameters.
     config: the model's config.
-    encoded: dtype[rows, src_len, d_model], the encoder output, one row per
-      decoded sequence (for beam search: each sentence's row repeated for its
-      beams, `expand_to_beams`).
-    src_mask: bool[rows, 1, 1, src_len].
+    encoded: dtype[batch, src_len, d_model], the encoder output, one row per
+      sentence.
+    src_mask: bool[batch, 1, 1, src_len].
 
   Returns:
     tokens_to_logits(int32[rows, 1] tokens, cache) -> (float32[rows, vocab]
     logits of the next token, new cache), for a cache from
-    `init_cache(config, rows, max_len)`. The cross-attention keys and values
-    are projected once, here (`project_cross_kv`).
+    `init_cache(config, rows, max_len)`, rows = batch * k: k decoded
+    sequences per sentence, consecutive (a beam search's beams,
+    `expand_to_beams`'s order). The cross-attention keys and values are
+    projected once, here (`project_cross_kv`), one row per sentence that
+    its k rows' queries read together (`attention.grouped_attention`):
+    repeating them per beam would read them k times at every step.
   """
   model = Transformer(config)
   cross_kv = project_cross_kv(params, config, encoded, src_mask)
@@ -148,8 +151,9 @@ def slot_cache(params, src, config: TransformerConfig, max_len: int):
 def slot_tokens_to_logits(params, config: TransformerConfig, max_len: int):
   """The decoder of Transformer(config) as a one-step function over search
   slots: (int32[rows, 1] tokens, cache, context) -> (float32[rows, vocab]
-  logits, new cache), each row reading its own source from its context
-  (`slot_cache`, repeated over beams)."""
+  logits, new cache), each slot's beams reading its source from its
+  context together (`slot_cache`, one row per slot: rows = slots * beams,
+  `attention.grouped_attention`)."""
   model = Transformer(config)
 
   def tokens_to_logits(tokens, cache, context):
@@ -203,21 +207,18 @@ def check_src(src, config: TransformerConfig) -> None:
           '(encode with the run\'s own vocabulary).')
 
 
-def encoded_for_search(params, src, config: TransformerConfig, max_len: int,
-                       beams: int = 1):
+def encoded_for_search(params, src, config: TransformerConfig, max_len: int):
   """What a search needs from Transformer(config) for the sources src.
 
   src: int32[batch, src_len]. Runs the encoder once -> (tokens_to_logits for
-  batch * beams rows, the empty cache for [batch, ...] and max_len steps).
+  batch * k rows, k per sentence (beams or samples), consecutive, the empty
+  cache for [batch, ...] and max_len steps).
   """
   check_src(src, config)
   check_max_len(config, max_len)
   src_mask = padding_mask(src, config.pad_id)
   encoded = Transformer(config).apply({'params': params}, src, src_mask,
                                       method=Transformer.encode)
-  if beams > 1:
-    encoded = expand_to_beams(encoded, beams)
-    src_mask = expand_to_beams(src_mask, beams)
   return (transformer_tokens_to_logits(params, config, encoded, src_mask),
           init_cache(config, src.shape[0], max_len))
 
@@ -308,7 +309,8 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
   """Beam search translation of a batch with Transformer(config) and `params`.
 
   The encoder runs once, and the cross-attention keys and values of its
-  output are projected once for every beam; the decoder runs one token per
+  output are projected once, read by all of a sentence's beams together;
+  the decoder runs one token per
   step with its key/value cache, reordered with the surviving beams. The
   paper's settings are the defaults: beam 4, alpha 0.6, and each sentence's
   output at most its source length + 50 tokens.
@@ -338,10 +340,9 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
     float32[batch, n_best], lengths int32[batch, n_best] and reached_eos
     bool[batch, n_best].
   """
-  check_sizes(beam_size=beam_size)  # before the encoder output is repeated
+  check_sizes(beam_size=beam_size)  # before the encoder runs
   max_len, limits = _output_limits(src, config, max_len)
-  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len,
-                                                beam_size)
+  tokens_to_logits, cache = encoded_for_search(params, src, config, max_len)
   return beam_search(
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
@@ -373,8 +374,7 @@ def sample_decode(params, src, config: TransformerConfig, *, rng,
   """
   check_sizes(num_samples=num_samples)
   max_len, limits = _output_limits(src, config, max_len)
-  tokens_to_logits, _ = encoded_for_search(params, src, config, max_len,
-                                            num_samples)
+  tokens_to_logits, _ = encoded_for_search(params, src, config, max_len)
   rows = src.shape[0] * num_samples
   keys = jax.vmap(lambda key: jax.random.split(key, num_samples))(
       keys_per_row(rng, src.shape[0]))

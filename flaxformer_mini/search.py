@@ -50,14 +50,17 @@ def check_sizes(**sizes: int) -> None:
                        'static under jit).')
 
 
-def _check_cache_rows(cache, batch_size: int) -> None:
-  """The cache comes with one row per batch item, not per beam."""
+def _check_cache_rows(cache, batch_size: int, name: str = 'cache',
+                      why: str = 'the search repeats it over beams itself'
+                      ) -> None:
+  """The cache (or a slot's context) comes with one row per batch item, not
+  per beam."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
     if jnp.ndim(leaf) and jnp.shape(leaf)[0] != batch_size:
       raise ValueError(
-          f'cache{jax.tree_util.keystr(path)} has {jnp.shape(leaf)[0]} rows; '
+          f'{name}{jax.tree_util.keystr(path)} has {jnp.shape(leaf)[0]} rows; '
           f'every non-scalar leaf must be [batch_size={batch_size}, ...] '
-          '(the search repeats it over beams itself).')
+          f'({why}).')
 
 
 def _check_model(tokens_to_logits: TokensToLogits, cache, rows: int,
@@ -534,6 +537,9 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
   return jax.lax.while_loop(keep_going, one_step, state)
 
 
+_ONCE_PER_SLOT = 'one row per item, read by all of its beams'
+
+
 def start_slots(cache, context, *, slots: int, beam_size: int, max_len: int,
                 bos_id: int, pad_id: int) -> BeamState:
   """Beam search in slots (continuous batching), every slot empty.
@@ -548,17 +554,19 @@ def start_slots(cache, context, *, slots: int, beam_size: int, max_len: int,
   cache: the model's cache of an item before its first step, reordered
   with the beams at every step; context: what the model reads of an item
   but never changes (the Transformer: its source's cross-attention keys
-  and values), the same for every beam, so never reordered. Every
-  non-scalar leaf of both is [slots, ...] (their values are replaced by
-  each item's own in fill_slots). The state's cache is the pair (cache,
-  context), each leaf [slots * beams, ...]; its other fields are [slots,
-  ...] as BeamState's are [batch, ...].
+  and values), the same for every beam, so kept once per slot and never
+  reordered. Every non-scalar leaf of both is [slots, ...] (their values
+  are replaced by each item's own in fill_slots). The state's cache is the
+  pair (cache, context), the cache's leaves [slots * beams, ...], the
+  context's [slots, ...]; its other fields are [slots, ...] as BeamState's
+  are [batch, ...].
   """
-  state = start_beam_search((cache, context), batch_size=slots,
-                            beam_size=beam_size, max_len=max_len,
-                            bos_id=bos_id, pad_id=pad_id)
+  _check_cache_rows(context, slots, 'context', _ONCE_PER_SLOT)
+  state = start_beam_search(cache, batch_size=slots, beam_size=beam_size,
+                            max_len=max_len, bos_id=bos_id, pad_id=pad_id)
   return state.replace(step=jnp.zeros((slots,), jnp.int32),
-                       done=jnp.ones((slots,), bool))
+                       done=jnp.ones((slots,), bool),
+                       cache=(state.cache, context))
 
 
 def fill_slots(state: BeamState, slots, cache, context, *, bos_id: int,
@@ -574,22 +582,24 @@ def fill_slots(state: BeamState, slots, cache, context, *, bos_id: int,
   """
   batch, beams = state.live_log_probs.shape
   k = slots.shape[0]
-  fresh = start_beam_search((cache, context), batch_size=k, beam_size=beams,
+  _check_cache_rows(context, k, 'context', _ONCE_PER_SLOT)
+  fresh = start_beam_search(cache, batch_size=k, beam_size=beams,
                             max_len=state.max_len, bos_id=bos_id,
                             pad_id=pad_id, limits=limits).replace(
                                 step=jnp.zeros((k,), jnp.int32))
 
   def put(old, new):  # [batch, ...] <- [k, ...] at rows `slots`
-    return old.at[slots].set(new, mode='drop')
+    return old if old.ndim == 0 else old.at[slots].set(new, mode='drop')
 
   def put_beam_rows(old, new):  # [batch * beams, ...] <- [k * beams, ...]
     by_item = old.reshape((batch, beams) + old.shape[1:])
     return put(by_item, new.reshape((k, beams) + new.shape[1:])
                ).reshape(old.shape)
 
-  both = jax.tree.map(
+  old_cache, old_context = state.cache
+  both = (jax.tree.map(
       lambda old, new: old if old.ndim == 0 else put_beam_rows(old, new),
-      state.cache, fresh.cache)
+      old_cache, fresh.cache), jax.tree.map(put, old_context, context))
   return jax.tree.map(put, state.replace(cache=None),
                       fresh.replace(cache=None)).replace(cache=both)
 
@@ -602,7 +612,8 @@ def run_slots(tokens_to_logits, state: BeamState, *, until_done,
 
   tokens_to_logits: (int32[slots * beams, 1] last tokens, cache, context)
   -> (float[slots * beams, vocab] logits, new cache), as a
-  `TokensToLogits` with the context beside its cache.
+  `TokensToLogits` with the context ([slots, ...], one row for all of a
+  slot's beams) beside its cache.
   until_done: int32[] (may be traced, one program for every value), at
   most the number of slots: a caller refills that many slots at a time,
   and asks for all of them once it has nothing left to fill. A slot that

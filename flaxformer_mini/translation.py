@@ -53,9 +53,8 @@ def _run_beams(params, src, state: BeamState, config: TransformerConfig,
   with grow_cache its cache grown window by window (`cache_windows`).
   The encoder runs on src again, once per stage: one pass, cheap next to the
   decoder's steps."""
-  beams = state.live_log_probs.shape[1]
   tokens_to_logits, _ = encoded_for_search(params, src, config,
-                                            state.max_len, beams)
+                                            state.max_len)
   return run_beam_search(
       tokens_to_logits, state, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id,
@@ -149,17 +148,19 @@ def search_bytes(config: TransformerConfig, batch_size: int,
   """About how much device memory a beam search of `batch_size` sources of
   up to config.max_len tokens takes with `beam_size` beams.
 
-  Per beam row: the key/value caches of self- and cross-attention (the
-  self-attention cache twice, as it is reordered with the beams), float32
-  logits, log-probabilities and candidates over the vocabulary, and the
-  live, finished and candidate sequences.
+  Per beam row: the self-attention key/value cache (twice, as it is
+  reordered with the beams), float32 logits, log-probabilities and
+  candidates over the vocabulary, and the live, finished and candidate
+  sequences; per source, the cross-attention keys and values (read by all
+  of its beams).
   """
   rows = batch_size * beam_size
   itemsize = jnp.dtype(config.dtype).itemsize
-  layer_cache = 2 * config.max_len * config.d_model * itemsize  # keys, values
-  per_row = (config.num_decoder_layers * layer_cache * 3 +
-             3 * config.tgt_vocab_size * 4 + 8 * (config.max_len + 1) * 4)
-  return rows * per_row
+  layer_cache = (config.num_decoder_layers * 2 * config.max_len *
+                 config.d_model * itemsize)  # keys and values, every layer
+  per_row = (layer_cache * 2 + 3 * config.tgt_vocab_size * 4 +
+             8 * (config.max_len + 1) * 4)
+  return rows * per_row + batch_size * layer_cache
 
 
 def device_memory_bytes() -> int | None:

@@ -2,7 +2,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini.attention import (MultiHeadAttention, merge_heads,
+import pytest
+
+from flaxformer_mini.attention import (MultiHeadAttention, grouped_attention,
+                                       merge_heads,
                                        scaled_dot_product_attention,
                                        split_heads)
 from flaxformer_mini.config import get_config
@@ -41,6 +44,37 @@ def test_a_fully_masked_row_gets_zero_weights_not_nans():
       q, k, v, jnp.zeros((1, 1, 1, 5), bool))
   assert np.all(np.asarray(weights) == 0.0)
   assert np.all(np.isfinite(out))
+
+
+def test_grouped_rows_attend_as_each_would_to_its_own_copy_of_the_keys():
+  # 2 sentences x 3 beams: each beam's query attends to its sentence's keys,
+  # read once for the three; repeating the keys per beam is the reference.
+  q, _, _ = _random_qkv(batch=6, q_len=1)
+  _, k, v = _random_qkv(batch=2, k_len=5)
+  k, v = k * 2.0, v - 1.0  # not the queries' draws
+  mask = jnp.array([[True] * 5, [True, True, False, False, False]])[
+      :, None, None, :]
+  out, scores, weights = grouped_attention(q, k, v, mask)
+  repeat = lambda x: jnp.repeat(x, 3, axis=0)
+  expected, _, expected_weights = scaled_dot_product_attention(
+      q, repeat(k), repeat(v), repeat(mask))
+  assert out.shape == (6, 3, 1, 6)
+  np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+  # The second sentence's beams (rows 3-5) put no weight on its padding.
+  assert weights.shape == scores.shape == (2, 3, 3, 5)
+  np.testing.assert_allclose(weights[1].transpose(1, 0, 2),
+                             expected_weights[3:, :, 0], rtol=1e-6)
+  assert np.all(np.asarray(weights[1, :, :, 2:]) == 0.0)
+
+
+def test_grouped_attention_refuses_rows_that_are_not_k_per_key_row():
+  q, _, _ = _random_qkv(batch=5, q_len=1)
+  _, k, v = _random_qkv(batch=2)
+  with pytest.raises(ValueError) as error:
+    grouped_attention(q, k, v)
+  assert str(error.value) == (
+      '5 query rows against 2 rows of keys: the query rows must be k per key '
+      'row, consecutive (expand_to_beams order).')
 
 
 def test_split_and_merge_heads_are_inverses():

@@ -306,7 +306,9 @@ def _in_slots(tokens_to_logits, items, *, slots, fill_rows, max_len, ids,
   own item of the history model. -> (int32[count, max_len], the number of
   slots searching at each refill)."""
   def slot_tokens_to_logits(tokens, cache, context):
-    logits, cache = tokens_to_logits(tokens, {**cache, **context})
+    # The context is one row per slot, for all of its beams.
+    item = search.expand_to_beams(context['item'], 3)
+    logits, cache = tokens_to_logits(tokens, {**cache, 'item': item})
     return logits, {'history': cache['history'], 'position': cache['position']}
 
   item_cache = lambda k: {'history': jnp.zeros((k, max_len), jnp.int32),
@@ -398,8 +400,7 @@ def test_windows_double_up_to_three_quarters_of_max_len():
 def test_the_transformers_cache_windows_leave_search_and_cache_unchanged(
     toy_model):
   cfg, params, src = toy_model
-  tokens_to_logits, cache = decoding.encoded_for_search(params, src, cfg, 64,
-                                                        beams=2)
+  tokens_to_logits, cache = decoding.encoded_for_search(params, src, cfg, 64)
   assert decoding.cache_windows(64).lengths == (24, 48)
   run = jax.jit(lambda windows: search.run_beam_search(
       tokens_to_logits, search.start_beam_search(

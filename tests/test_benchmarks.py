@@ -217,14 +217,15 @@ def test_the_cache_windows_benchmark_times_step_parts_and_the_test_set(
   parts = result['step_parts']
   assert result['max_len'] == 48  # the tiny run's positional table
   assert set(parts) == {f'{part} @ {length}' for part in (
-      'step', "step, XLA's top-k", 'without reordering', 'decoder layers only')
-                        for length in (24, 48)}
+      'step', 'step, cross-attention per beam', "step, XLA's top-k",
+      'without reordering', 'decoder layers only') for length in (24, 48)}
   test_set = result['test_set']
   assert test_set['lines'] == 30
   assert test_set['same_translations'] == 30  # windows change no output
   sys.path.insert(0, BENCHMARKS)
   import cache_windows  # pylint: disable=g-import-not-at-top
-  assert '| step |' in cache_windows.table(result)
+  table = cache_windows.table(result)
+  assert '| step |' in table and '| step, cross-attention per beam |' in table
 
 
 @pytest.mark.slow

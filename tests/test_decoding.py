@@ -48,6 +48,32 @@ def test_the_encoder_output_is_projected_once_not_at_every_step(toy_model):
   assert matmuls(without) - matmuls(with_kv) == 2 * cfg.num_decoder_layers
 
 
+def test_a_sentences_beams_read_its_cross_attention_keys_once(toy_model):
+  # tokens_to_logits over 3 rows per sentence keeps one row of cross-
+  # attention keys/values per sentence, and each row's logits are those
+  # of the same step with the encoder output repeated for every row.
+  cfg, params, src = toy_model
+  src_mask = padding_mask(src, cfg.pad_id)
+  encoded = Transformer(cfg).apply({'params': params}, src, src_mask,
+                                   method=Transformer.encode)
+  rows = 3 * src.shape[0]
+  grouped = decoding.transformer_tokens_to_logits(params, cfg, encoded,
+                                                  src_mask)
+  repeated = decoding.transformer_tokens_to_logits(
+      params, cfg, search.expand_to_beams(encoded, 3),
+      search.expand_to_beams(src_mask, 3))
+  cross_kv = jax.make_jaxpr(grouped)(
+      jnp.zeros((rows, 1), jnp.int32), decoding.init_cache(cfg, rows, 4))
+  assert f'f32[{src.shape[0]},{cfg.num_heads},5,' in str(cross_kv)
+  assert f'f32[{rows},{cfg.num_heads},5,' not in str(cross_kv)
+  caches = [decoding.init_cache(cfg, rows, 4)] * 2
+  for step in range(3):
+    tokens = jnp.arange(rows, dtype=jnp.int32)[:, None] % 7 + 3 + step
+    (ours, caches[0]), (theirs, caches[1]) = (
+        grouped(tokens, caches[0]), repeated(tokens, caches[1]))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_equals_a_naive_loop_over_the_full_model(toy_model):
   cfg, params, src = toy_model
   max_len = 6
@@ -133,6 +159,12 @@ def _bigram(vocab=6):
         max_len=3, alpha=0.6, bos_id=1, eos_id=2, pad_id=0),
      r"^cache\['h'\] has 6 rows; every non-scalar leaf must be "
      r'\[batch_size=2, \.\.\.\] \(the search repeats it over beams itself\)\.$'),
+    (lambda cfg, p, s: search.start_slots(
+        {'h': jnp.zeros((2, 3))}, {'kv': jnp.zeros((6, 3))}, slots=2,
+        beam_size=3, max_len=3, bos_id=1, pad_id=0),
+     r"^context\['kv'\] has 6 rows; every non-scalar leaf must be "
+     r'\[batch_size=2, \.\.\.\] \(one row per item, read by all of its '
+     r'beams\)\.$'),
 ])
 def test_a_client_mistake_is_one_line_naming_it(toy_model, call, message):
   cfg, params, src = toy_model
