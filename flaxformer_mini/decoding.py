@@ -310,10 +310,10 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
 
   The encoder runs once, and the cross-attention keys and values of its
   output are projected once, read by all of a sentence's beams together;
-  the decoder runs one token per
-  step with its key/value cache, reordered with the surviving beams. The
-  paper's settings are the defaults: beam 4, alpha 0.6, and each sentence's
-  output at most its source length + 50 tokens.
+  the decoder runs one token per step with its key/value cache, reordered
+  with the surviving beams. The paper's settings are the defaults: beam 4,
+  alpha 0.6, and each sentence's output at most its source length + 50
+  tokens.
 
   Args:
     params: the model parameters.
