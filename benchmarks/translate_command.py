@@ -24,15 +24,18 @@ With a workdir, also against CTranslate2 (the ctranslate2 extra) on the same
 weights, converted by flaxformer_mini.to_ctranslate2, beam --beam, its length
 penalty set to the run's alpha (a different formula: to_ctranslate2 says
 how), batches of --batch_size, every core: the searches alone in this
-process, in turns (the project's compiled search, CTranslate2 in float32 and
-int8), on the test lines; then whole processes, in turns, on the test lines
-and the first --train_lines lines of the training split: the translate
-command with an empty compilation cache (cold) and again on it (warm), and a
-CTranslate2 process (import, load, tokenize, translate, write) in float32 and
-int8. With --write_docs the table goes into docs/performance.md.
+process, in turns (the project's compiled search and CTranslate2's in float32:
+a second CTranslate2 translator in one process slows the first), on the test
+lines; then whole processes, in turns, on the test lines and the first
+--train_lines lines of the training split: the translate command with an
+empty compilation cache (cold) and again on it (warm), and a CTranslate2
+process (import, load, tokenize, translate, write) in float32 and int8, each
+process's output on the test lines scored (BLEU, lines the same as the
+project's search). With --write_docs the table goes into docs/performance.md.
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import shutil
@@ -163,32 +166,33 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   to_ctranslate2.convert(trained.params, config, pieces, folder,
                          files=(os.path.join(workdir, 'spm.model'),))
 
-  # The searches alone, in this process.
+  def scored(outputs: list[str], project: list[str]) -> dict:
+    return {'bleu': sacrebleu.corpus_bleu(outputs, [references]).score,
+            'same_as_project': sum(a == b for a, b in zip(outputs, project))}
+
+  # The searches alone, in this process: the project's and CTranslate2's in
+  # float32. One translator only: a second one in the process (int8, or
+  # even one created and deleted before) halves the first's speed on this
+  # 2-core CPU (measured: 3.2 s for the test lines alone, 6.8 s beside
+  # another), so int8 runs in its own process below.
   sources = [vocab.encode(line) for line in test]
-  ours = lambda: [vocab.decode(ids) for ids in translate_ids(
-      trained.params, config, sources, beam_size=beam, batch_size=batch_size)]
-  translators = {
-      compute: functools.partial(
+  runs = {
+      'project': lambda: [vocab.decode(ids) for ids in translate_ids(
+          trained.params, config, sources, beam_size=beam,
+          batch_size=batch_size)],
+      'ctranslate2_float32': functools.partial(
           _ctranslate2_search, ctranslate2.Translator(
-              folder, compute_type=compute, intra_threads=os.cpu_count()),
-          vocab, test, beam, alpha, batch_size, limit)
-      for compute in ('float32', 'int8')}
-  runs = {'project': ours, **{f'ctranslate2_{c}': t
-                              for c, t in translators.items()}}
+              folder, compute_type='float32', intra_threads=os.cpu_count()),
+          vocab, test, beam, alpha, batch_size, limit)}
   outputs = {name: run() for name, run in runs.items()}  # compiles ours
   times = common.interleaved_seconds(runs, rounds)
   searches = {name: {**_rate(len(test), times[name]),
-                     'bleu': sacrebleu.corpus_bleu(outputs[name],
-                                                   [references]).score,
-                     'same_as_project': sum(
-                         a == b for a, b in zip(outputs[name],
-                                                outputs['project']))}
+                     **scored(outputs[name], outputs['project'])}
               for name in runs}
-  for compute in ('float32', 'int8'):
-    mine, theirs = times['project'], times[f'ctranslate2_{compute}']
-    searches[f'project_over_ctranslate2_{compute}'] = {
-        'per_round': [t / m for m, t in zip(mine, theirs)],
-        'of_medians': statistics.median(theirs) / statistics.median(mine)}
+  mine, theirs = times['project'], times['ctranslate2_float32']
+  searches['project_over_ctranslate2_float32'] = {
+      'per_round': [t / m for m, t in zip(mine, theirs)],
+      'of_medians': statistics.median(theirs) / statistics.median(mine)}
 
   # Whole processes, in turns.
   processes = {}
@@ -196,15 +200,17 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
     source = os.path.join(scratch, f'{name}.txt')
     with open(source, 'w', encoding='utf-8') as f:
       f.writelines(line + '\n' for line in lines)
-    target = os.path.join(scratch, 'out.txt')
     cache = os.path.join(scratch, f'xla-{name}')
     command = [sys.executable, '-m', 'flaxformer_mini.translate',
                f'--workdir={workdir}', f'--input={source}',
                f'--beam_size={beam}', f'--batch_size={batch_size}']
+    # What each kind of process writes: the command to its stdout, a
+    # CTranslate2 process to the file it is given.
+    target = lambda kind: os.path.join(scratch, f'{name}-{kind}.txt')
     def ctranslate2_process(compute):
       return [sys.executable, '-c', _CTRANSLATE2_PROCESS, folder, compute,
               str(beam), str(alpha), str(batch_size), str(limit), source,
-              target]
+              target(f'ctranslate2_{compute}')]
     seconds = {'command_cold': [], 'command_warm': [],
                'ctranslate2_float32': [], 'ctranslate2_int8': []}
     for _ in range(rounds):
@@ -215,13 +221,22 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
                 if kind.startswith('command') else
                 ctranslate2_process(kind.split('_')[1]))
         start = time.perf_counter()
-        with open(target, 'w', encoding='utf-8') as out:
+        with (open(target('command'), 'w', encoding='utf-8')
+              if kind.startswith('command') else
+              contextlib.nullcontext(subprocess.DEVNULL)) as out:
           subprocess.run(argv, check=True, stdout=out,
                          stderr=subprocess.DEVNULL)
         seconds[kind].append(time.perf_counter() - start)
     programs = sum(f.endswith('.executable') for f in os.listdir(cache))
     processes[name] = {'lines': len(lines), 'programs': programs, **{
         kind: _rate(len(lines), times_) for kind, times_ in seconds.items()}}
+    if name == 'test':  # what each process wrote, against the references
+      for kind in ('command', 'ctranslate2_float32', 'ctranslate2_int8'):
+        with open(target(kind), encoding='utf-8') as f:
+          written = f.read().split('\n')[:-1]
+        for timed in ((kind,) if kind != 'command' else
+                      ('command_cold', 'command_warm')):
+          processes[name][timed].update(scored(written, outputs['project']))
     processes[name]['warm_over_ctranslate2_float32'] = (
         processes[name]['ctranslate2_float32']['median_s'] /
         processes[name]['command_warm']['median_s'])
@@ -248,8 +263,8 @@ def ctranslate2_table(result: dict) -> str:
       'same output as the project |', '|---|---|---:|---:|---:|---:|']
   ratio = s['project_over_ctranslate2_float32']['of_medians']
   for name, label in (('project', 'the search alone, this project'),
-                      ('ctranslate2_float32', 'CTranslate2 float32'),
-                      ('ctranslate2_int8', 'CTranslate2 int8')):
+                      ('ctranslate2_float32', 'CTranslate2 float32, search '
+                       'alone')):
     lines.append(
         f"| {label} | {p['test']['lines']:,} test lines | "
         f"{s[name]['sentences_per_s']:.0f} | "
@@ -264,10 +279,12 @@ def ctranslate2_table(result: dict) -> str:
                         ('ctranslate2_int8', 'CTranslate2 int8, process')):
       ratio = (q['ctranslate2_float32']['median_s'] / q[kind]['median_s']
                if kind.startswith('command') else None)
+      scores = (f"{q[kind]['bleu']:.2f} | {q[kind]['same_as_project']:,}"
+                if 'bleu' in q[kind] else ' | ')
       lines.append(
           f"| {label} | {q['lines']:,} {split} lines | "
           f"{q[kind]['sentences_per_s']:.0f} | "
-          f"{f'{ratio:.2f}x' if ratio else ''} | | |")
+          f"{f'{ratio:.2f}x' if ratio else ''} | {scores} |")
   lines += ['', f"The command's compiled programs, kept whole by the cold "
             f"process and loaded by the warm one: {p['test']['programs']} "
             f"for the test lines, {p['train']['programs']} for the train "

@@ -189,6 +189,15 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   # The same model: an untrained one runs most lines to the length limit,
   # where the two searches' length penalties hardly differ.
   assert searches['ctranslate2_float32']['same_as_project'] >= 15
+  # One translator in the process (a second one slows the first); int8 is
+  # scored from its own process's output, the command's equals the search.
+  assert 'ctranslate2_int8' not in searches
+  assert (processes['test']['ctranslate2_float32']['same_as_project'] ==
+          searches['ctranslate2_float32']['same_as_project'])
+  assert 0 <= processes['test']['ctranslate2_int8']['same_as_project'] <= 30
+  assert processes['test']['command_warm']['same_as_project'] == 30
+  assert processes['test']['command_warm']['bleu'] == pytest.approx(
+      searches['project']['bleu'])
   assert [processes[split]['lines'] for split in ('test', 'train')] == [30, 12]
   # The cold process kept its programs: one source shape for the input, and
   # batches of 8 run in one stage (a later stage starts above 16 rows).
@@ -202,7 +211,8 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   import translate_command  # pylint: disable=g-import-not-at-top
   table = translate_command.ctranslate2_table(result)
   assert '| the command, warm process | 12 train lines |' in table
-  assert '| CTranslate2 int8 | 30 test lines |' in table
+  assert '| CTranslate2 float32, search alone | 30 test lines |' in table
+  assert '| CTranslate2 int8, process | 30 test lines |' in table
   assert (f"loaded by the warm one: {processes['test']['programs']} for the "
           'test lines') in table
 
