@@ -39,7 +39,7 @@ BEAMS, SRC_LEN, MAX_LEN = 4, 32, 82
 
 
 def _steps(params, src, config, length: int, reorder: bool, top_k,
-           steps: int, per_beam: bool = False):
+           steps: int, per_beam: bool):
   """`steps` decoder steps of src's BEAMS beams each on a cache of `length`
   positions -> a scalar; top_k: the selection of the best candidates, or
   None (no vocabulary); per_beam: the encoder output repeated for every
@@ -70,13 +70,13 @@ def _steps(params, src, config, length: int, reorder: bool, top_k,
   return jax.lax.fori_loop(0, steps, step, (cache, 0.0))[1]
 
 
-# name -> _steps's (reorder, top_k[, per_beam]).
+# name -> _steps's (reorder, top_k, per_beam).
 VARIANTS = {
-    'step': (True, search.top_k_in_blocks),
+    'step': (True, search.top_k_in_blocks, False),
     'step, cross-attention per beam': (True, search.top_k_in_blocks, True),
-    "step, XLA's top-k": (True, jax.lax.top_k),
-    'without reordering': (False, search.top_k_in_blocks),
-    'decoder layers only': (False, None)}
+    "step, XLA's top-k": (True, jax.lax.top_k, False),
+    'without reordering': (False, search.top_k_in_blocks, False),
+    'decoder layers only': (False, None, False)}
 
 
 def step_parts(params, config, repeats: int, rows: int, steps: int,
@@ -87,10 +87,11 @@ def step_parts(params, config, repeats: int, rows: int, steps: int,
   lengths = (*decoding.cache_windows(max_len).lengths, max_len)
   runs = {}
   for length in lengths:
-    for name, variant in VARIANTS.items():
-      call = (lambda length=length, variant=variant:
-              run(params, src, config, length, *variant[:2], steps,
-                  *variant[2:]).block_until_ready())
+    for name, (reorder, top_k, per_beam) in VARIANTS.items():
+      call = (lambda length=length, reorder=reorder, top_k=top_k,
+              per_beam=per_beam:
+              run(params, src, config, length, reorder, top_k, steps,
+                  per_beam).block_until_ready())
       call()  # compiles
       runs[(name, length)] = call
   times = common.interleaved_seconds(runs, repeats)
