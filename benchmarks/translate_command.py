@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from flaxformer_mini import decoding
+from flaxformer_mini import decoding, translate
 from flaxformer_mini.translation import translate_ids
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import get_config
@@ -241,7 +241,9 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
         processes[name]['ctranslate2_float32']['median_s'] /
         processes[name]['command_warm']['median_s'])
   shutil.rmtree(scratch)
+  import jax  # pylint: disable=g-import-not-at-top
   return {'beam': beam, 'alpha': alpha, 'batch_size': batch_size,
+          'devices': jax.local_device_count(),
           'stopping': config.eval_stopping, 'rounds': rounds,
           'searches': searches, 'processes': processes}
 
@@ -256,9 +258,10 @@ def ctranslate2_table(result: dict) -> str:
       f"({env['machine']}), JAX {env['jax']}, by `python "
       f"benchmarks/translate_command.py --workdir=W --ctranslate2 "
       f"--write_docs`: beam {c['beam']}, α {c['alpha']} (CTranslate2's "
-      f"length_penalty {c['alpha']}), batches of {c['batch_size']}, the "
-      f"run's stopping rule ({c['stopping']}); medians of {c['rounds']} "
-      'rounds in turns.', '',
+      f"length_penalty {c['alpha']}), batches of {c['batch_size']} (the "
+      f"project's: {c['batch_size']} per device on {c['devices']} "
+      f"device(s), one per core), the run's stopping rule "
+      f"({c['stopping']}); medians of {c['rounds']} rounds in turns.", '',
       '| what | input | sentences/s | project ÷ CTranslate2 float32 | BLEU | '
       'same output as the project |', '|---|---|---:|---:|---:|---:|']
   ratio = s['project_over_ctranslate2_float32']['of_medians']
@@ -324,6 +327,9 @@ def main():
   args = parser.parse_args()
   if args.ctranslate2 and not args.workdir:
     parser.error('--ctranslate2 compares on a trained run: give --workdir.')
+  # One JAX device per core, as the translate command makes them (before
+  # JAX starts): the project's searches below run as the command's do.
+  translate._one_device_per_core()  # pylint: disable=protected-access
   result = {'benchmark': 'translate'}
   if args.workdir:
     result['command'], config = translate_command(

@@ -3,7 +3,9 @@ and a run's evaluations do with decoding.py's traceable searches.
 
 Sources are sorted by length into batches, all padded to the input's
 longest source (one shape; each sentence's output still limited by its
-own length); each batch's beam search runs in stages, so that sentences
+own length), each batch's rows split over every local device
+(`jax.shard_map`, every device searching its share on its own); each
+batch's beam search runs in stages, so that sentences
 whose search has ended leave it on the way, its key/value cache grown in
 windows (or, with refill, in slots that take the next sentence as one
 ends); one jitted program is kept per shape for the process (and on disk for the next one, where the caller passes a
@@ -18,6 +20,7 @@ import resource
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.decoding import (cache_windows, check_max_len,
@@ -62,19 +65,42 @@ def _run_beams(params, src, state: BeamState, config: TransformerConfig,
       windows=cache_windows(state.max_len) if grow_cache else None)
 
 
-def _first_stage(params, src, *, config: TransformerConfig, beam_size: int,
-                 max_len: int, **search) -> BeamState:
+# A batch's rows split over the devices: each searches its own share, on
+# its own (a device's while_loop stops when its items are done, not another's).
+_AXIS = 'sentences'
+_ROWS = P(_AXIS)
+
+
+def _on_devices(per_device, mesh: Mesh, in_specs):
+  """per_device run by every device of `mesh` on its rows; its outputs are
+  [rows, ...] per device, joined along the rows."""
+  return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs,
+                       out_specs=_ROWS, check_vma=False)
+
+
+def _first_stage(params, src, *, mesh: Mesh, config: TransformerConfig,
+                 beam_size: int, max_len: int, **search) -> BeamState:
   """The beam search of the sources src: int32[rows, src_len] from its start
-  until at most search['until_searching'] items are still searching."""
-  state = _start_beams(src, config, beam_size, max_len)
-  return _run_beams(params, src, state, config, **search)
+  until, on each device, at most search['until_searching'] of its items are
+  still searching. The state's step is int32[devices], each device's."""
+  def per_device(params, src):
+    state = _start_beams(src, config, beam_size, max_len)
+    state = _run_beams(params, src, state, config, **search)
+    return state.replace(step=state.step[None])
+  return _on_devices(per_device, mesh, (P(), _ROWS))(params, src)
 
 
-def _later_stage(params, src, state: BeamState, items, *,
+def _later_stage(params, src, state: BeamState, items, *, mesh: Mesh,
                  config: TransformerConfig, **search) -> BeamState:
-  """The search of `state`'s items `items` (int32[rows]) alone, on from its
-  step; src: int32[rows, src_len], those items' sources."""
-  return _run_beams(params, src, take_items(state, items), config, **search)
+  """The search of `state`'s items `items` (int32[rows], each device's
+  indices into its own rows) alone, on from its step; src: int32[rows,
+  src_len], those items' sources."""
+  def per_device(params, src, state, items):
+    state = take_items(state.replace(step=state.step[0]), items)
+    state = _run_beams(params, src, state, config, **search)
+    return state.replace(step=state.step[None])
+  return _on_devices(per_device, mesh, (P(), _ROWS, _ROWS, _ROWS))(
+      params, src, state, items)
 
 
 def _start_slots(params, *, config: TransformerConfig, slots: int,
@@ -109,16 +135,24 @@ def _advance(params, state: BeamState, until_done, *,
                    stopping=stopping)
 
 
-def _sample(params, src, keys, temperature, top_p, **static):
-  return sample_decode(params, src, rng=keys, temperature=temperature,
-                       top_p=top_p, **static)
+def _greedy(params, src, *, mesh: Mesh, config: TransformerConfig):
+  return _on_devices(lambda params, src: greedy_decode(params, src, config),
+                     mesh, (P(), _ROWS))(params, src)
+
+
+def _sample(params, src, keys, temperature, top_p, *, mesh: Mesh, **static):
+  return _on_devices(
+      lambda params, src, keys, temperature, top_p: sample_decode(
+          params, src, rng=keys, temperature=temperature, top_p=top_p,
+          **static), mesh, (P(), _ROWS, _ROWS, P(), P()))(
+              params, src, keys, temperature, top_p)
 
 
 # One jitted program per shape for the process: a later call (the next
 # evaluation, the next input) with the same shapes reuses the compiled one.
 # Their keyword arguments are the static ones (`Executables` keeps them).
-_SEARCH = ('config', 'alpha', 'until_searching', 'finished_first', 'stopping',
-           'grow_cache')
+_SEARCH = ('mesh', 'config', 'alpha', 'until_searching', 'finished_first',
+           'stopping', 'grow_cache')
 _jit_first_stage = jax.jit(_first_stage, static_argnames=_SEARCH + (
     'beam_size', 'max_len'))
 _jit_later_stage = jax.jit(_later_stage, static_argnames=_SEARCH)
@@ -131,9 +165,9 @@ _jit_fill = jax.jit(_fill, static_argnames=('config',),
 _jit_advance = jax.jit(_advance, static_argnames=(
     'config', 'alpha', 'finished_first', 'stopping'),
                        donate_argnames=('state',))
-_jit_greedy = jax.jit(greedy_decode, static_argnames=('config',))
+_jit_greedy = jax.jit(_greedy, static_argnames=('mesh', 'config'))
 _jit_sample = jax.jit(_sample, static_argnames=(
-    'config', 'num_samples', 'top_k'))
+    'mesh', 'config', 'num_samples', 'top_k'))
 
 
 def _just_jit(name: str, jitted, *args, **static):
@@ -163,19 +197,21 @@ def search_bytes(config: TransformerConfig, batch_size: int,
 
 
 def device_memory_bytes() -> int | None:
-  """The memory of this process's first device (a CPU's: the host's, within
-  the process's address-space limit), or None where it is not known."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  """The memory of each of this process's devices, or None where it is not
+  known. CPU devices share the host's (within the process's address-space
+  limit): each has its share."""
+  devices = jax.local_devices()
+  stats = (devices[0].memory_stats()
+           if hasattr(devices[0], 'memory_stats') else None)
   if stats and stats.get('bytes_limit'):
     return int(stats['bytes_limit'])
-  if device.platform != 'cpu':
+  if devices[0].platform != 'cpu':
     return None
   limits = [os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')]
   address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
   if address_space != resource.RLIM_INFINITY:
     limits.append(address_space)
-  return min(limits)
+  return min(limits) // len(devices)
 
 
 def _next_rows(rows: int) -> int:
@@ -189,42 +225,59 @@ def _next_rows(rows: int) -> int:
   return 0 if rows <= 16 else -(-rows // 32) * 8
 
 
+def _put_rows(mesh: Mesh, rows):
+  """rows: [rows, ...] on the host -> split over the devices of `mesh`."""
+  return jax.device_put(rows, NamedSharding(mesh, _ROWS))
+
+
 def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                            beam_size: int, alpha: float, max_len: int,
                            shrink: bool, finished_first: bool, stopping: str,
-                           grow_cache: bool, programs=_just_jit) -> np.ndarray:
+                           grow_cache: bool, mesh: Mesh,
+                           programs=_just_jit) -> np.ndarray:
   """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
 
-  One beam search in stages: once no more than a quarter of its items are
-  still searching, the finished ones are collected and the rest go on alone
-  in a batch a quarter the size, so sentences that end early stop paying for
-  the slowest one. Each item's result is the one-batch search's (an item's
+  One beam search in stages, its rows split over the devices of `mesh`:
+  once no more than a quarter of a device's items are still searching,
+  its finished ones are collected and the rest go on alone in a batch a
+  quarter the size, so sentences that end early stop paying for the
+  slowest one. Each item's result is the one-batch search's (an item's
   search never looks at another's). shrink=False: one stage. Two programs
   per source shape: the first stage, and a later one.
   """
+  devices = mesh.devices.size
   best = np.zeros((src.shape[0], max_len), np.int32)
   owner = np.arange(src.shape[0])  # the source row of each state row
-  search = dict(config=config, alpha=alpha, finished_first=finished_first,
-                stopping=stopping, grow_cache=grow_cache)
-  rows = _next_rows(len(owner)) if shrink else 0
-  state = programs('first_stage', _jit_first_stage, params, src,
-                   beam_size=beam_size, max_len=max_len,
-                   until_searching=rows, **search)
+  rows = len(owner) // devices  # each device's
+  search = dict(mesh=mesh, config=config, alpha=alpha,
+                finished_first=finished_first, stopping=stopping,
+                grow_cache=grow_cache)
+  next_rows = _next_rows(rows) if shrink else 0
+  state = programs('first_stage', _jit_first_stage, params,
+                   _put_rows(mesh, src), beam_size=beam_size,
+                   max_len=max_len, until_searching=next_rows, **search)
   while True:
     # Copied whole, sliced on the host: no eager op to compile per shape.
     finished = np.asarray(state.finished_sequences)[:, 0, 1:]
-    ended = np.asarray(state.done) | (int(state.step) >= max_len) | (rows == 0)
+    ended = (np.asarray(state.done) | (next_rows == 0) |
+             (np.repeat(np.asarray(state.step), rows) >= max_len))
     best[owner[ended]] = finished[ended]
-    searching = np.flatnonzero(~ended)
-    if not len(searching):
+    if ended.all():
       return best
-    # Filler rows repeat a searching item: the same search, the same result.
-    keep = np.resize(searching, rows)
-    owner = owner[keep]
-    rows = _next_rows(len(owner)) if shrink else 0
-    state = programs('later_stage', _jit_later_stage, params, src[owner],
-                     state, keep.astype(np.int32), until_searching=rows,
-                     **search)
+    # Each device keeps its own searching items; filler rows repeat one
+    # (the same search, the same result), or, on a device whose items have
+    # all ended, an ended one, which takes no step.
+    keep = np.concatenate([
+        np.resize(np.flatnonzero(~done) if not done.all() else [0], next_rows)
+        for done in ended.reshape(devices, rows)])
+    owner = owner.reshape(devices, rows)[
+        np.repeat(np.arange(devices), next_rows), keep]
+    rows = next_rows
+    next_rows = _next_rows(rows) if shrink else 0
+    state = programs('later_stage', _jit_later_stage, params,
+                     _put_rows(mesh, src[owner]), state,
+                     _put_rows(mesh, keep.astype(np.int32)),
+                     until_searching=next_rows, **search)
 
 
 def search_in_slots(fill, advance, count: int, slots: int,
@@ -308,18 +361,21 @@ class Sampling:
 
 
 def _length_batches(config: TransformerConfig, sources: list[list[int]],
-                    batch_size: int):
-  """The non-empty sources sorted by length into batches: yields (members,
-  src int32[batch_size, length]), member r's ids + eos in row r.
+                    batch_size: int, devices: int = 1):
+  """The non-empty sources sorted by length into batches of batch_size rows
+  per device: yields (members, src int32[devices * batch_size, length]),
+  row r holding the ids + eos of source members[r] (None: a filler row,
+  repeating the batch's first source; its output is dropped).
 
   Every batch has one length, the longest source's rounded up to a
   multiple of 16: one shape, so two programs for the whole input (a file
   of similar length reuses them). A shorter source's output is still
   limited by its own length (`own_limits`); its steps attend over the
   padding too (5 % slower on 5,000 Multi30k train lines, docs/performance.md,
-  "One source length per input"). Rows past the last member repeat the
-  first (their outputs are dropped); sources longer than config.max_len - 1
-  are cut there.
+  "One source length per input"). The rows are dealt to the devices in
+  turn (device d's share, rows d * batch_size ..., is the batch's d-th,
+  d + devices-th, ... shortest), so every device's share spans the batch's
+  lengths alike. Sources longer than config.max_len - 1 are cut there.
   """
   limit = config.max_len - 1  # room for eos
   order = sorted((i for i, ids in enumerate(sources) if len(ids)),
@@ -328,27 +384,32 @@ def _length_batches(config: TransformerConfig, sources: list[list[int]],
     return
   longest = len(sources[order[-1]]) + 1  # with eos
   length = min(-(-longest // 16) * 16, config.max_len)
-  for start in range(0, len(order), batch_size):
-    members = order[start:start + batch_size]
-    src = np.full((batch_size, length), config.pad_id, np.int32)
-    for row in range(batch_size):
-      member = members[row] if row < len(members) else members[0]
-      ids = list(sources[member][:limit]) + [config.eos_id]
-      src[row, :len(ids)] = ids
+  size = batch_size * devices
+  for start in range(0, len(order), size):
+    ranked = order[start:start + size]
+    ranked += [None] * (size - len(ranked))
+    members = [ranked[i * devices + d]
+               for d in range(devices) for i in range(batch_size)]
+    src = np.full((size, length), config.pad_id, np.int32)
+    for row, member in enumerate(members):
+      ids = list(sources[ranked[0] if member is None else member][:limit])
+      src[row, :len(ids) + 1] = ids + [config.eos_id]
     yield members, src
 
 
-def _draw(params, src, members: list[int], config: TransformerConfig,
-          sampling: Sampling, programs) -> np.ndarray:
+def _draw(params, src, members: list, config: TransformerConfig,
+          sampling: Sampling, mesh: Mesh, programs) -> np.ndarray:
   """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
-  # Filler rows past the members repeat the first, as _length_batches fills them.
-  rows = members + members[:1] * (len(src) - len(members))
+  # Filler rows repeat the batch's first source (row 0), as
+  # _length_batches fills them.
+  rows = [members[0] if member is None else member for member in members]
   keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.key(sampling.seed), jnp.asarray(rows, jnp.uint32))
   return np.asarray(programs(
-      'sample', _jit_sample, params, src, keys,
-      jnp.float32(sampling.temperature), jnp.float32(sampling.top_p),
-      config=config, num_samples=sampling.num_samples, top_k=sampling.top_k))
+      'sample', _jit_sample, params, _put_rows(mesh, src),
+      _put_rows(mesh, keys), jnp.float32(sampling.temperature),
+      jnp.float32(sampling.top_p), mesh=mesh, config=config,
+      num_samples=sampling.num_samples, top_k=sampling.top_k))
 
 
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
@@ -365,8 +426,12 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   the translate command and a run's evaluations decode (stopping: see
   `beam_search`).
 
-  Sources are sorted by length into batches of `batch_size`, so that the
-  sentences of a batch tend to end at similar steps, each padded to the
+  Sources are sorted by length into batches of `batch_size` sentences per
+  device, so that the sentences of a batch tend to end at similar steps;
+  each batch is split over all of this process's devices
+  (`jax.local_devices()`: the GPUs of a node, or a CPU host's devices,
+  which the translate command makes one per core), each searching its
+  share on its own (`_beam_search_in_stages`). Each batch is padded to the
   input's longest (`_length_batches`: one shape, two programs for the
   Multi30k test set) and its output limited to its own length + 50
   (`decoding.own_limits`), so its translation does not depend on the other
@@ -377,7 +442,7 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   beam_size 1 is greedy search; finished_first: see `beam_search`;
   grow_cache: see `beam_decode` (the same translations, 1.6x faster on the
   Multi30k test set, for more loop bodies to compile). refill: search in
-  `batch_size` slots instead, each taking the next source as soon as its
+  `batch_size` slots on the first device instead, each taking the next source as soon as its
   own is done (`search.start_slots`): each translation is the one the
   source gets searched alone, and three programs serve any input; on a CPU
   1.6x slower than the stages on the Multi30k test set: 11 % fewer
@@ -395,16 +460,20 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   stopping = config.eval_stopping if stopping is None else stopping
   check_stopping(stopping)
   draws = sampling.num_samples if sampling else 1
-  # Parameters of any origin (a host copy, as averaging gives, or a training
-  # state's device copy) become arrays on one device: a jitted program is
-  # compiled per placement of its arguments, and is reused only for the same.
-  params = jax.device_put(params, jax.local_devices()[0])
   outputs = [[] for _ in range(len(sources) * draws)]
   in_slots = refill and beam_size > 1 and not sampling
+  devices = jax.local_devices()[:1] if in_slots else jax.local_devices()
+  mesh = Mesh(np.array(devices), (_AXIS,))
+  # Parameters of any origin (a host copy, as averaging gives, or a training
+  # state's device copy) become one copy on every device: a jitted program
+  # is compiled per placement of its arguments, and is reused only for the
+  # same.
+  params = jax.device_put(params, NamedSharding(mesh, P()))
   # In slots the sources are one batch: one shape, 3 programs.
   count = sum(1 for ids in sources if len(ids))
   for members, src in _length_batches(
-      config, sources, max(count, 1) if in_slots else batch_size):
+      config, sources, max(count, 1) if in_slots else batch_size,
+      len(devices)):
     max_len = default_max_len(config, src.shape[1])
     if in_slots:
       best = _beam_search_in_slots(
@@ -412,17 +481,18 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
           min(batch_size, -(-len(src) // 8) * 8), finished_first, stopping,
           programs)
     elif sampling:
-      best = _draw(params, src, members, config, sampling, programs)
+      best = _draw(params, src, members, config, sampling, mesh, programs)
     elif beam_size == 1:
-      best = np.asarray(programs('greedy', _jit_greedy, params, src,
+      best = np.asarray(programs('greedy', _jit_greedy, params,
+                                 _put_rows(mesh, src), mesh=mesh,
                                  config=config))
     else:
       best = _beam_search_in_stages(params, src, config, beam_size, alpha,
                                     max_len, shrink_batches, finished_first,
-                                    stopping, grow_cache, programs)
+                                    stopping, grow_cache, mesh, programs)
     best = best.reshape(len(src), draws, max_len)
     for row, i in enumerate(members):
-      for draw in range(draws):
+      for draw in range(draws if i is not None else 0):
         outputs[i * draws + draw] = tokens_before_eos(
             best[row, draw], config.eos_id, config.pad_id)
   return outputs

@@ -2,6 +2,7 @@ import functools
 import itertools
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -598,6 +599,99 @@ def test_a_batch_sharded_over_eight_devices_decodes_as_on_one():
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report['same_sequences']
   assert report['score_gap'] < 1e-5
+
+
+_EVERY_DEVICE_SCRIPT = textwrap.dedent('''
+    import json, pickle, sys
+    import jax, numpy as np
+    from flaxformer_mini import translation
+
+    assert jax.local_device_count() == 8, jax.devices()
+    with open(sys.argv[1], 'rb') as f:
+      cfg, params, sources = pickle.load(f)
+    stages, first = [], translation._jit_first_stage
+    def first_stage(params, src, **static):
+      state = first(params, src, **static)
+      done = np.asarray(state.done).reshape(8, -1)
+      stages.append({'devices': len(state.done.sharding.device_set),
+                     'idle': bool(done.all(1).any() and not done.all())})
+      return state
+    translation._jit_first_stage = first_stage
+    later = translation._jit_later_stage
+    def later_stage(params, src, state, keep, **static):
+      stages.append(len(keep))
+      return later(params, src, state, keep, **static)
+    translation._jit_later_stage = later_stage
+    print(json.dumps({
+        'beam': translation.translate_ids(params, cfg, sources, beam_size=2,
+                                          batch_size=24),
+        'greedy': translation.translate_ids(params, cfg, sources,
+                                            beam_size=1, batch_size=4),
+        'sampled': translation.translate_ids(
+            params, cfg, sources, batch_size=4,
+            sampling=translation.Sampling(seed=3, num_samples=2)),
+        'refill': translation.translate_ids(params, cfg, sources,
+                                            beam_size=2, batch_size=8,
+                                            refill=True),
+        'stages': stages}))
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.versions
+def test_every_device_searches_its_share_and_each_sentence_gets_its_own(
+    toy_config, tmp_path):
+  """translate_ids over 8 devices (a CPU host split in 8, as on a GPU node):
+  each batch's rows split over all of them, each device narrowing its own
+  share in stages; every beam, greedy, sampled and refilled translation is
+  the one a single device gives, in the input's order."""
+  # An untrained model: its sentences end anywhere from step 1 to the limit.
+  cfg = toy_config.replace(d_model=16, num_heads=4, d_ff=32)
+  rng = np.random.default_rng(4)
+  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                          size=n).tolist() for n in rng.integers(1, 7, 45)]
+  sources[7] = []  # an empty line stays empty
+  params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0)))
+  (tmp_path / 'model.pickle').write_bytes(
+      pickle.dumps((cfg, params, sources)))
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+             JAX_PLATFORMS='cpu')
+  result = subprocess.run(
+      [sys.executable, '-c', _EVERY_DEVICE_SCRIPT,
+       str(tmp_path / 'model.pickle')], capture_output=True, text=True,
+      cwd=ROOT, env=env, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  eight = json.loads(result.stdout.strip().splitlines()[-1])
+  # One batch of 8 x 24 rows, its first stage on all 8 devices, then on in
+  # 8 x 8 rows (each device keeps a quarter of its 24, rounded up to 8),
+  # a device whose items have all ended among them.
+  assert eight['stages'] == [{'devices': 8, 'idle': True}, 64]
+  assert eight['beam'] == translation.translate_ids(
+      params, cfg, sources, beam_size=2, batch_size=16)
+  assert eight['greedy'] == translation.translate_ids(
+      params, cfg, sources, beam_size=1, batch_size=16)
+  assert eight['sampled'] == translation.translate_ids(
+      params, cfg, sources, batch_size=16,
+      sampling=translation.Sampling(seed=3, num_samples=2))
+  assert eight['refill'] == eight['beam']
+  # Translations of every length from none to the limit.
+  assert eight['beam'][7] == [] and len(set(map(len, eight['beam']))) >= 8
+
+
+def test_a_batch_is_dealt_to_the_devices_by_length_in_turn(toy_config):
+  """Each device's share of a batch spans its lengths: device d gets the
+  d-th, d + devices-th, ... shortest; filler rows (None) repeat the
+  batch's shortest source."""
+  cfg = toy_config
+  sources = [[5] * n for n in (3, 1, 4, 2, 6, 5, 7)]
+  batches = list(translation._length_batches(cfg, sources, batch_size=2,
+                                             devices=2))
+  # Sorted by length: sources 1, 3, 0, 2 | 5, 4, 6 (+ one filler).
+  assert [members for members, _ in batches] == [[1, 0, 3, 2], [5, 6, 4, None]]
+  src = batches[1][1]
+  assert src.shape == (4, 16)
+  np.testing.assert_array_equal(src[3], src[0])  # the filler: source 5 again
+  assert (src[1] != cfg.pad_id).sum() == 8  # source 6: 7 ids and eos
 
 
 def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40,

@@ -199,6 +199,8 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert processes['test']['command_warm']['bleu'] == pytest.approx(
       searches['project']['bleu'])
   assert [processes[split]['lines'] for split in ('test', 'train')] == [30, 12]
+  # Its searches run as the command's: one device per core.
+  assert compared['devices'] == len(os.sched_getaffinity(0))
   # The cold process kept its programs: one source shape for the input, and
   # batches of 8 run in one stage (a later stage starts above 16 rows).
   assert processes['test']['programs'] == 1
@@ -213,6 +215,7 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert '| the command, warm process | 12 train lines |' in table
   assert '| CTranslate2 float32, search alone | 30 test lines |' in table
   assert '| CTranslate2 int8, process | 30 test lines |' in table
+  assert f"8 per device on {compared['devices']} device(s)" in table
   assert (f"loaded by the warm one: {processes['test']['programs']} for the "
           'test lines') in table
 

@@ -168,3 +168,32 @@ def test_the_readmes_code_runs_as_written(tiny_run, monkeypatch, tmp_path):
       + textwrap.dedent(serving) + 'print(len(translations))', tmp_path,
       PYTHONPATH='')
   assert printed == '2\n'
+
+
+_DEVICES_SCRIPT = textwrap.dedent('''
+    import os
+    import jax
+    from flaxformer_mini import translate
+    translate._one_device_per_core()
+    print(jax.local_device_count(), len(os.sched_getaffinity(0)))
+''')
+
+
+@pytest.mark.parametrize('setting, expected', [
+    ({}, 'cores'),
+    ({'XLA_FLAGS': '--xla_force_host_platform_device_count=3'}, 3),
+    ({'JAX_NUM_CPU_DEVICES': '5'}, 5),
+])
+def test_the_translate_command_makes_a_cpu_device_per_core_unless_told(
+    setting, expected):
+  """On a CPU the translate command searches on one device per core, each
+  its own share of a batch; a device count already set is kept."""
+  env = {key: value for key, value in os.environ.items()
+         if key not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
+  result = subprocess.run([sys.executable, '-c', _DEVICES_SCRIPT],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**env, 'JAX_PLATFORMS': 'cpu', **setting},
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  devices, cores = map(int, result.stdout.split())
+  assert devices == (cores if expected == 'cores' else expected)

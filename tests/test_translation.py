@@ -428,7 +428,7 @@ def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
   searched = []
 
   def search(params, src, config, beam_size, alpha, max_len, shrink,
-             finished_first, stopping, grow_cache, programs):
+             finished_first, stopping, grow_cache, mesh, programs):
     searched.append((alpha, stopping))
     return np.zeros((len(src), max_len), np.int32)
 
