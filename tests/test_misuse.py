@@ -588,6 +588,10 @@ def test_a_beam_that_cannot_fit_is_refused_before_it_compiles(tiny_run):
                          2, '--beam_size=100000: a search of --batch_size=64 '
                          'sentences with 100000 beams needs about')
   assert 'lower --beam_size or --batch_size' in line
+  # A CPU's devices (one per core) share its memory: each has its share.
+  cores = len(os.sched_getaffinity(0))
+  assert (f'of each of the {cores} CPU devices;' if cores > 1 else
+          'of this CPU;') in line
   assert time.perf_counter() - started < 60
 
 
