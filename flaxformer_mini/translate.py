@@ -71,9 +71,9 @@ def _check_memory(parser, config, beam_size: int, batch_size: int) -> None:
 def _one_device_per_core() -> None:
   """On a CPU host, one JAX device per core, each searching its own share
   of every batch: 1.3x faster on 2 cores than one device whose operations
-  spread over both (docs/performance.md, "Every device searches"). Left
-  as it is where XLA_FLAGS or JAX_NUM_CPU_DEVICES say how many, or where
-  JAX has already started (the command called from Python)."""
+  spread over both (docs/performance.md, "Every device searches its
+  share"). Left as it is where XLA_FLAGS or JAX_NUM_CPU_DEVICES say how
+  many, or where JAX has already started (the command called from Python)."""
   import jax  # pylint: disable=g-import-not-at-top
   if ('xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '')
       or jax.config.jax_num_cpu_devices >= 0):

@@ -509,7 +509,8 @@ def translate_lines(params, config: TransformerConfig, tokenizer,
 
   tokenizer: the run's sentencepiece.SentencePieceProcessor (`load_run`).
   Sources longer than config.max_len - 1 tokens are cut there and reported
-  through `warn(line_number, length)`. See translate_ids for the search:
+  through `warn(line_number, length)`. See translate_ids for the search
+  (batch_size sentences on each device, every local device searching):
   alpha and stopping None are the config's eval_alpha and eval_stopping, as
   the translate command uses; refill: see translate_ids; with `sampling`,
   sampling.num_samples translations per line, consecutive; executables:
