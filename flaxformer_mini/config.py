@@ -111,9 +111,11 @@ class TransformerConfig:
   eval_beam_size: int = 4
   eval_alpha: float = 0.6
   # The beam search's stopping rule in evaluations, the translate command
-  # and the export (STOPPING_RULES). 'exact' by measurement: on the en->de
-  # recipe the cheaper rules search 1.4-1.7x faster but lose 0.1-0.2 BLEU
-  # on test and 0.2-0.5 on validation (docs/performance.md). A run saved
+  # and the export (STOPPING_RULES). 'exact' by measurement: on three
+  # trainings of the en->de recipe the cheaper rules search 1.3-1.6x faster
+  # but lose 0.09-0.16 BLEU (beam_finished) and 0.4-0.6 (current_length)
+  # on validation at beam 4 (benchmarks/stopping_rules.py,
+  # docs/performance.md "Stopping rules"). A run saved
   # before this field existed decoded with 'exact' and takes this default
   # (checkpoints.saved_config): were it changed, such runs must keep 'exact'.
   eval_stopping: str = 'exact'

@@ -392,9 +392,10 @@ def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
         hypothesis scored at its current length (Hugging Face's
         early_stopping=False): as if nothing live would grow longer.
       The default is 'exact' here and in the translate command: on the
-      Multi30k en->de recipe the two others searched 1.4-1.7x faster but
-      changed 1-11 % of the translations and lost 0.1-0.5 BLEU
-      (docs/performance.md, "Stopping rules").
+      Multi30k en->de recipe the two others searched 1.3-1.6x faster but
+      changed 1-13 % of the translations and lost 0.1-0.6 BLEU on
+      validation at beam 4 (docs/performance.md, "Stopping rules";
+      benchmarks/stopping_rules.py).
     on_step: for watching the search, e.g. in the notebook: called on the
       host (jax.debug.callback) after every step with that step's BeamState
       (its cache left out). None costs nothing.

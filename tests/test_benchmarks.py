@@ -258,6 +258,61 @@ def test_the_refill_benchmark_counts_row_steps_both_ways(tiny_run, data_slice):
 
 
 @pytest.mark.slow
+def test_the_stopping_rules_benchmark_scores_every_rule_on_both_splits(
+    tiny_run, data_slice):
+  workdir, _ = tiny_run
+  result = _benchmark('stopping_rules.py', f'--workdir={workdir}',
+                      f'--data_dir={data_slice}', '--rounds=1',
+                      '--within=1000')
+  rows = result['results']
+  # Both splits, beam 4 and the run's eval_beam_size (2), every rule.
+  assert sorted((r['split'], r['beam'], r['rule']) for r in rows) == sorted(
+      (split, beam, rule) for split in ('test_2016_flickr', 'validation')
+      for beam in (2, 4)
+      for rule in ('exact', 'beam_finished', 'current_length'))
+  for r in rows:
+    exact = next(e for e in rows if e['rule'] == 'exact' and
+                 (e['split'], e['beam']) == (r['split'], r['beam']))
+    assert r['bleu_against_exact'] == pytest.approx(r['bleu'] - exact['bleu'])
+    assert 0 <= r['same_as_exact'] <= 30
+  assert all(r['same_as_exact'] == 30 for r in rows if r['rule'] == 'exact')
+  # Every rule is within 1,000 BLEU of the exact one.
+  assert all(result['meets'].values()) and len(result['meets']) == 6
+  sys.path.insert(0, BENCHMARKS)
+  import stopping_rules  # pylint: disable=g-import-not-at-top
+  table = stopping_rules.table(result)
+  assert '| test_2016_flickr, 2 | exact |' in table
+  assert ('both splits: beam_finished, beam 2; current_length, beam 2; '
+          'beam_finished, beam 4; current_length, beam 4.') in table
+  # A criterion no rule but the exact one meets.
+  strict = {**result, 'meets': {name: name.startswith('exact')
+                                for name in result['meets']}}
+  assert 'both splits: no cheaper rule.' in stopping_rules.table(strict)
+
+
+def test_a_cheaper_rule_meets_the_criterion_only_on_both_splits():
+  sys.path.insert(0, BENCHMARKS)
+  import stopping_rules  # pylint: disable=g-import-not-at-top
+  bleu = {('test', 4, 'exact'): 30.0, ('test', 4, 'beam_finished'): 29.95,
+          ('test', 4, 'current_length'): 29.0,
+          ('val', 4, 'exact'): 31.0, ('val', 4, 'beam_finished'): 30.85,
+          ('val', 4, 'current_length'): 31.2,
+          ('test', 5, 'exact'): 30.0, ('test', 5, 'beam_finished'): 30.1,
+          ('test', 5, 'current_length'): 29.0,
+          ('val', 5, 'exact'): 31.0, ('val', 5, 'beam_finished'): 30.91,
+          ('val', 5, 'current_length'): 30.0}
+  rows = [{'split': split, 'beam': beam, 'rule': rule, 'bleu': value}
+          for (split, beam, rule), value in bleu.items()]
+  assert stopping_rules.meets(rows, 0.1) == {
+      'exact, beam 4': True, 'beam_finished, beam 4': False,  # val -0.15
+      'current_length, beam 4': False,  # test -1.0, though val +0.2
+      'exact, beam 5': True, 'beam_finished, beam 5': True,
+      'current_length, beam 5': False}
+  assert [round(r['bleu_against_exact'], 2) for r in rows[:3]] == [
+      0.0, -0.05, -1.0]
+
+
+@pytest.mark.slow
 def test_the_input_benchmark_measures_a_synthetic_corpus(tmp_path):
   if not os.path.isdir(MULTI30K):
     pytest.skip(f'Multi30k is not at {MULTI30K}')
