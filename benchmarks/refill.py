@@ -13,12 +13,12 @@ timed in turns; and how many translations are the same. --write_docs
 writes the table into docs/performance.md.
 """
 
-import argparse
 import statistics
 
 import numpy as np
 
 from flaxformer_mini import translation
+from flaxformer_mini import translate
 from flaxformer_mini import workdir as workdir_lib
 
 import common
@@ -37,15 +37,22 @@ def _counted(beams: int) -> dict:
   first, later = translation._jit_first_stage, translation._jit_later_stage  # pylint: disable=protected-access
   advance = translation._jit_advance  # pylint: disable=protected-access
 
+  # A stage's step is int32[devices]: each device searches len(src) /
+  # devices rows for its own number of steps.
+  def stage_row_steps(src, steps):
+    return len(src) // len(steps) * beams * int(steps.sum())
+
   def first_stage(params, src, **static):
     state = first(params, src, **static)
-    counts['row_steps']['stages'] += len(src) * beams * int(state.step)
+    counts['row_steps']['stages'] += stage_row_steps(
+        src, np.asarray(state.step))
     return state
 
   def later_stage(params, src, state, keep, **static):
-    step = int(state.step)
+    step = np.asarray(state.step)
     state = later(params, src, state, keep, **static)
-    counts['row_steps']['stages'] += len(src) * beams * (int(state.step) - step)
+    counts['row_steps']['stages'] += stage_row_steps(
+        src, np.asarray(state.step) - step)
     return state
 
   def advance_slots(params, state, until_done, **static):
@@ -109,7 +116,9 @@ def table(result: dict) -> str:
       f"({env['machine']}), JAX {env['jax']}, by `python "
       'benchmarks/refill.py --workdir=W --write_docs`: the '
       f"{result['lines']:,} lines of {result['split']}, beam "
-      f"{result['beam']}, the run's α and stopping rule, medians in turns.",
+      f"{result['beam']}, the run's α and stopping rule, the stages on "
+      f"{env['devices']} device(s) (one per core), the slots on one, medians "
+      'in turns.',
       '',
       '| search | sentences/s | beam row-steps | over the least | '
       'programs |', '|---|---:|---:|---:|---:|']
@@ -132,22 +141,15 @@ MARKERS = ('<!-- refill:start -->', '<!-- refill:end -->')
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument('--workdir', required=True,
-                      help='a trained translation workdir')
-  parser.add_argument('--data_dir', default=translate_command.MULTI30K)
+  # The command's devices: one per core on a CPU host.
+  translate._one_device_per_core()  # pylint: disable=protected-access
+  parser = translate_command.run_parser(__doc__, rounds=3)
   parser.add_argument('--split', default='test_2016_flickr')
   parser.add_argument('--beam', type=int, default=4)
-  parser.add_argument('--rounds', type=int, default=3)
-  parser.add_argument('--write_docs', action='store_true')
   args = parser.parse_args()
-  result = {'environment': common.environment(),
-            **measure(args.workdir, args.data_dir, args.split, args.rounds,
-                      args.beam)}
-  common.emit(result)
-  if args.write_docs:
-    translate_command.write_docs(table(result), MARKERS)
-
+  translate_command.report(
+      measure(args.workdir, args.data_dir, args.split, args.rounds,
+              args.beam), table, MARKERS, args.write_docs)
 
 if __name__ == '__main__':
   main()

@@ -15,10 +15,10 @@ rule's on both splits (`meets`). --write_docs writes the table into
 docs/performance.md.
 """
 
-import argparse
 import statistics
 
 from flaxformer_mini import evaluation, translation
+from flaxformer_mini import translate
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import STOPPING_RULES
 
@@ -82,7 +82,8 @@ def table(result: dict) -> str:
       f"({env['machine']}), JAX {env['jax']}, by `python "
       'benchmarks/stopping_rules.py --workdir=W --write_docs`: the run\'s '
       f"{result['params']} parameters, α {result['alpha']}, every line of "
-      'each split searched as the translate command does; seconds are '
+      'each split searched as the translate command does (on '
+      f"{env['devices']} device(s), one per core); seconds are "
       'medians in turns on this shared machine (rough), BLEU (cased '
       'sacreBLEU) and the counts exact.',
       '',
@@ -111,21 +112,15 @@ MARKERS = ('<!-- stopping-rules:start -->', '<!-- stopping-rules:end -->')
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument('--workdir', required=True,
-                      help='a trained translation workdir')
-  parser.add_argument('--data_dir', default=translate_command.MULTI30K)
-  parser.add_argument('--rounds', type=int, default=2)
+  # The command's devices: one per core on a CPU host.
+  translate._one_device_per_core()  # pylint: disable=protected-access
+  parser = translate_command.run_parser(__doc__, rounds=2)
   parser.add_argument('--within', type=float, default=0.1,
                       help='BLEU a cheaper default may lose on each split')
-  parser.add_argument('--write_docs', action='store_true')
   args = parser.parse_args()
-  result = {'environment': common.environment(),
-            **measure(args.workdir, args.data_dir, args.rounds, args.within)}
-  common.emit(result)
-  if args.write_docs:
-    translate_command.write_docs(table(result), MARKERS)
-
+  translate_command.report(
+      measure(args.workdir, args.data_dir, args.rounds, args.within), table,
+      MARKERS, args.write_docs)
 
 if __name__ == '__main__':
   main()

@@ -300,6 +300,28 @@ DOCS = os.path.join(ROOT, 'docs', 'performance.md')
 MARKERS = ('<!-- ctranslate2:start -->', '<!-- ctranslate2:end -->')
 
 
+def run_parser(description: str, rounds: int) -> argparse.ArgumentParser:
+  """The flags of a benchmark of a trained run: --workdir, --data_dir,
+  --rounds and --write_docs; the caller adds its own."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument('--workdir', required=True,
+                      help='a trained translation workdir')
+  parser.add_argument('--data_dir', default=MULTI30K)
+  parser.add_argument('--rounds', type=int, default=rounds)
+  parser.add_argument('--write_docs', action='store_true')
+  return parser
+
+
+def report(measured: dict, table, markers: tuple[str, str],
+           write: bool) -> None:
+  """Prints a benchmark's JSON (with the machine's description) and, where
+  `write`, table(result) between `markers` in docs/performance.md."""
+  result = {'environment': common.environment(), **measured}
+  common.emit(result)
+  if write:
+    write_docs(table(result), markers)
+
+
 def write_docs(table: str, markers: tuple[str, str] = MARKERS) -> None:
   """Replaces the table between `markers` in docs/performance.md."""
   with open(DOCS, encoding='utf-8') as f:
