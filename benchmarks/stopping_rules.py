@@ -5,7 +5,7 @@
 A trained translation run's parameters (the ones the translate command
 loads) translate the test and validation splits as the command does
 (translation.translate_lines: its batches, stages and windows, the run's
-alpha) under each of search.STOPPING_RULES, at beam 4 and at the run's
+alpha) under each of config.STOPPING_RULES, at beam 4 and at the run's
 eval_beam_size: cased sacreBLEU against the references (evaluation.bleu,
 as a run scores itself), seconds once compiled (medians of --rounds taken
 in turns), and how many translations are the exact rule's. Which rule a
@@ -32,9 +32,10 @@ def measure(workdir: str, data_dir: str, rounds: int, within: float) -> dict:
   trained = workdir_lib.load_run(workdir)
   config = trained.config
   beams = sorted({4, config.eval_beam_size})
-  results = []
+  results, lines = [], {}
   for split in SPLITS:
     sources = translate_command.split_lines(data_dir, config, split)
+    lines[split] = len(sources)
     references = translate_command.split_lines(data_dir, config, split,
                                                side=1)
     for beam in beams:
@@ -53,10 +54,7 @@ def measure(workdir: str, data_dir: str, rounds: int, within: float) -> dict:
                                                         outputs['exact']))})
   return {'params': trained.which, 'alpha': config.eval_alpha,
           'run_stopping': config.eval_stopping,
-          'run_beam': config.eval_beam_size, 'lines': {
-              split: len(translate_command.split_lines(data_dir, config,
-                                                       split))
-              for split in SPLITS},
+          'run_beam': config.eval_beam_size, 'lines': lines,
           'within': within, 'results': results,
           'meets': meets(results, within)}
 
