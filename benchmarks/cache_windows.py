@@ -125,9 +125,9 @@ def table(result: dict) -> str:
   max_len = result['max_len']
   lengths = (*decoding.cache_windows(max_len).lengths, max_len)
   lines = [
-      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
-      f"({env['machine']}), JAX {env['jax']}, by `python "
-      'benchmarks/cache_windows.py --workdir=W --write_docs`: microseconds '
+      common.measured_by(
+          env, 'benchmarks/cache_windows.py --workdir=W --write_docs') +
+      'microseconds '
       f"per beam row and step, {result['rows']} rows, the run's model, "
       'medians in turns.', '',
       '| part of a step | ' + ' | '.join(

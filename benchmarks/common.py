@@ -88,6 +88,13 @@ def speedup(theirs: list[float], ours: list[float]) -> dict:
           'round_seconds': {'theirs': theirs.tolist(), 'ours': ours.tolist()}}
 
 
+def measured_by(env: dict, command: str) -> str:
+  """A docs table's first words: when, on what, and the command that made
+  it (`python benchmarks/...`, without `python `)."""
+  return (f"Measured {env['date']} on {env['cpu_count']} CPU cores "
+          f"({env['machine']}), JAX {env['jax']}, by `python {command}`: ")
+
+
 def emit(result: dict) -> None:
   """Prints the benchmark's one JSON object."""
   print(json.dumps({**result, 'environment': environment()}, indent=2))

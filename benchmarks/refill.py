@@ -18,7 +18,6 @@ import statistics
 import numpy as np
 
 from flaxformer_mini import translation
-from flaxformer_mini import translate
 from flaxformer_mini import workdir as workdir_lib
 
 import common
@@ -112,9 +111,9 @@ def measure(workdir: str, data_dir: str, split: str, rounds: int,
 def table(result: dict) -> str:
   env = result['environment']
   lines = [
-      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
-      f"({env['machine']}), JAX {env['jax']}, by `python "
-      'benchmarks/refill.py --workdir=W --write_docs`: the '
+      common.measured_by(env,
+                         'benchmarks/refill.py --workdir=W --write_docs') +
+      'the '
       f"{result['lines']:,} lines of {result['split']}, beam "
       f"{result['beam']}, the run's α and stopping rule, the stages on "
       f"{env['devices']} device(s) (one per core), the slots on one, medians "
@@ -141,8 +140,6 @@ MARKERS = ('<!-- refill:start -->', '<!-- refill:end -->')
 
 
 def main():
-  # The command's devices: one per core on a CPU host.
-  translate._one_device_per_core()  # pylint: disable=protected-access
   parser = translate_command.run_parser(__doc__, rounds=3)
   parser.add_argument('--split', default='test_2016_flickr')
   parser.add_argument('--beam', type=int, default=4)
@@ -150,6 +147,7 @@ def main():
   translate_command.report(
       measure(args.workdir, args.data_dir, args.split, args.rounds,
               args.beam), table, MARKERS, args.write_docs)
+
 
 if __name__ == '__main__':
   main()

@@ -18,7 +18,6 @@ docs/performance.md.
 import statistics
 
 from flaxformer_mini import evaluation, translation
-from flaxformer_mini import translate
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import STOPPING_RULES
 
@@ -76,9 +75,9 @@ def meets(results: list[dict], within: float) -> dict[str, bool]:
 def table(result: dict) -> str:
   env = result['environment']
   lines = [
-      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
-      f"({env['machine']}), JAX {env['jax']}, by `python "
-      'benchmarks/stopping_rules.py --workdir=W --write_docs`: the run\'s '
+      common.measured_by(
+          env, 'benchmarks/stopping_rules.py --workdir=W --write_docs') +
+      "the run's "
       f"{result['params']} parameters, α {result['alpha']}, every line of "
       'each split searched as the translate command does (on '
       f"{env['devices']} device(s), one per core); seconds are "
@@ -110,8 +109,6 @@ MARKERS = ('<!-- stopping-rules:start -->', '<!-- stopping-rules:end -->')
 
 
 def main():
-  # The command's devices: one per core on a CPU host.
-  translate._one_device_per_core()  # pylint: disable=protected-access
   parser = translate_command.run_parser(__doc__, rounds=2)
   parser.add_argument('--within', type=float, default=0.1,
                       help='BLEU a cheaper default may lose on each split')
@@ -119,6 +116,7 @@ def main():
   translate_command.report(
       measure(args.workdir, args.data_dir, args.rounds, args.within), table,
       MARKERS, args.write_docs)
+
 
 if __name__ == '__main__':
   main()

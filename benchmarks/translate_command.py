@@ -254,10 +254,9 @@ def ctranslate2_table(result: dict) -> str:
   c = result['ctranslate2']
   s, p = c['searches'], c['processes']
   lines = [
-      f"Measured {env['date']} on {env['cpu_count']} CPU cores "
-      f"({env['machine']}), JAX {env['jax']}, by `python "
-      f"benchmarks/translate_command.py --workdir=W --ctranslate2 "
-      f"--write_docs`: beam {c['beam']}, α {c['alpha']} (CTranslate2's "
+      common.measured_by(env, 'benchmarks/translate_command.py --workdir=W '
+                         '--ctranslate2 --write_docs') +
+      f"beam {c['beam']}, α {c['alpha']} (CTranslate2's "
       f"length_penalty {c['alpha']}), batches of {c['batch_size']} (the "
       f"project's: {c['batch_size']} per device on {c['devices']} "
       f"device(s), one per core), the run's stopping rule "
@@ -302,7 +301,10 @@ MARKERS = ('<!-- ctranslate2:start -->', '<!-- ctranslate2:end -->')
 
 def run_parser(description: str, rounds: int) -> argparse.ArgumentParser:
   """The flags of a benchmark of a trained run: --workdir, --data_dir,
-  --rounds and --write_docs; the caller adds its own."""
+  --rounds and --write_docs; the caller adds its own. Called before JAX
+  starts, it also gives the benchmark the translate command's devices (one
+  per core on a CPU host), so that it searches as the command does."""
+  translate._one_device_per_core()  # pylint: disable=protected-access
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument('--workdir', required=True,
                       help='a trained translation workdir')
