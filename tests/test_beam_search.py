@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 import itertools
 import json
@@ -298,6 +299,37 @@ def test_a_cache_grown_in_windows_gives_the_same_search_and_cache():
   rest = run(search.take_items(part, jnp.asarray(searching)), windows=windows)
   jax.tree.map(np.testing.assert_array_equal, rest,
                search.take_items(whole, jnp.asarray(searching)))
+
+
+def test_a_window_that_runs_no_step_is_never_copied():
+  # Taking a window out of the cache and putting it back is a copy of the
+  # whole window: a window the search stops before, or has passed, must
+  # not cost it (most first stages of the translate command end in the
+  # first window).
+  tokens_to_logits, windows, cache, ids = _history_search_pieces()
+  taken = []
+  record = lambda length: taken.append(int(length))
+
+  def take(cache, length, take=windows.take):
+    jax.debug.callback(record, length, ordered=True)
+    return take(cache, length)
+
+  # This model's first item is done at step 8, all but three at step 9.
+  windows = dataclasses.replace(windows, lengths=(9, 10), take=take)
+  start = lambda: search.start_beam_search(
+      cache, batch_size=8, beam_size=3, max_len=12, bos_id=ids['bos_id'],
+      pad_id=ids['pad_id'])
+  run = jax.jit(lambda state, until: search.run_beam_search(
+      tokens_to_logits, state, alpha=0.6, n_best=3, until_searching=until,
+      windows=windows, **ids), static_argnums=1)
+  early = run(start(), 7)
+  assert int(early.step) == 8 and taken == [9]  # window 10 never reached
+  taken.clear()
+  part = run(start(), 3)
+  assert int(part.step) == 9 and taken == [9]
+  taken.clear()
+  whole = run(part, 0)
+  assert int(whole.step) == 11 and taken == [10]  # window 9 behind it
 
 
 def _in_slots(tokens_to_logits, items, *, slots, fill_rows, max_len, ids,
