@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import weakref
 
 import numpy as np
@@ -26,6 +27,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_multi30k = pytest.mark.skipif(
     not os.path.isdir(MULTI30K),
     reason=f'Multi30k is not at {MULTI30K} (see the README: Training)')
+
+
+def test_preparing_local_files_leaves_nothing_in_the_temporary_directory(
+    tmp_path, monkeypatch):
+  temporary = tmp_path / 'system_tmp'
+  temporary.mkdir()
+  monkeypatch.setattr(tempfile, 'tempdir', str(temporary))
+  for lang, lines in (('de', 'ein Hund\nzwei Katzen\n'),
+                      ('en', 'a dog\ntwo cats\n')):
+    (tmp_path / f'train.{lang}').write_text(lines)
+  files = {'train': (str(tmp_path / 'train.de'), str(tmp_path / 'train.en'))}
+  splits = parallel_text.load_local(files, ('de', 'en'), str(tmp_path / 'tfds'),
+                                    'two-lines')
+  assert splits['train'][1]['en'] == b'two cats'
+  assert list(temporary.iterdir()) == []
 
 
 @needs_multi30k

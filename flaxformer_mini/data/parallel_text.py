@@ -158,11 +158,17 @@ class LocalParallelText(tfds.core.GeneratorBasedBuilder):
     super().__init__(**kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return self.dataset_info_from_configs(
+    info = self.dataset_info_from_configs(
         features=tfds.features.FeaturesDict(
             {lang: tfds.features.Text() for lang in self._languages}),
         description='Parallel text from local files.',
         disable_shuffling=True)
+    # Nothing about local files is in TFDS's bucket of pre-computed
+    # statistics, and looking there makes an empty folder in the system's
+    # temporary directory that is never removed, one per new content
+    # (DatasetInfo.initialize_from_bucket, tensorflow_datasets 4.9).
+    info.initialize_from_bucket = lambda: None
+    return info
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
