@@ -658,33 +658,50 @@ def run_slots(tokens_to_logits, state: BeamState, *, until_done,
           stopping=stopping, reorder=reorder), state)
 
 
-def top_k_in_blocks(x, k: int):
-  """jax.lax.top_k(x, k) over the last axis, computed in blocks: the same
-  values and indices, ties to the lower index.
+def top_k_in_blocks(x, k: int, offsets=None):
+  """jax.lax.top_k over x's last axis, computed in blocks: the same values
+  and indices, ties to the lower index; with offsets, the top k of x plus
+  one offset per group, the groups side by side.
 
-  x: float[rows, n] -> (float[rows, k] values, int32[rows, k] indices).
+  x: float[rows, n] -> (float[rows, k] values, int32[rows, k] indices); or
+  x: float[rows, groups, n] and offsets float[rows, groups] -> the top k of
+  (x + offsets[..., None]) over groups * n, indices group * n + i, that sum
+  computed only for the blocks that may hold them (a beam step's
+  candidates: every beam's logits, its live log p less its normalizer as
+  its offset, never added over the whole vocabulary).
+
   XLA's CPU top_k orders its whole row: a beam step's 2 * beams best of
   beams * vocab candidates (40,000 for Multi30k's vocabulary at beam 4)
   took 16 µs a row, most of the search's selection. The k best lie in the
   k blocks with the largest maxima (each of them is, or is beaten by, its
-  block's maximum), so: the maximum of each block of about sqrt(n), the k
-  best blocks, then the k best of their k * block values (2 µs a row,
-  benchmarks/cache_windows.py). The blocks are taken in index order, so
-  equal values still come out lower index first.
+  block's maximum), so: the maximum of each block of about sqrt(groups *
+  n) values of one group, the k best blocks, then the k best of their
+  k * block values (2 µs a row, benchmarks/cache_windows.py). The blocks
+  are taken in index order, so equal values still come out lower index
+  first.
   """
-  rows, n = x.shape
-  block = max(1, math.isqrt(n))
-  blocks = -(-n // block)
-  if blocks <= 2 * k:  # too few blocks to leave much out
-    return jax.lax.top_k(x, k)
-  # Padded at the end with -inf: after every value, -inf included.
-  x = jnp.pad(x, ((0, 0), (0, blocks * block - n)),
-              constant_values=-jnp.inf).reshape(rows, blocks, block)
-  best_blocks = jnp.sort(jax.lax.top_k(x.max(-1), k)[1], axis=-1)
-  candidates = jnp.take_along_axis(x, best_blocks[:, :, None], axis=1)
+  if offsets is None:
+    x, offsets = x[:, None], jnp.zeros((x.shape[0], 1), x.dtype)
+  rows, groups, n = x.shape
+  block = max(1, math.isqrt(groups * n))
+  per_group = -(-n // block)
+  if groups * per_group <= 2 * k:  # too few blocks to leave much out
+    return jax.lax.top_k((x + offsets[..., None]).reshape(rows, groups * n),
+                         k)
+  # Each group padded at its end with -inf: after every value, -inf included.
+  x = jnp.pad(x, ((0, 0), (0, 0), (0, per_group * block - n)),
+              constant_values=-jnp.inf).reshape(rows, groups * per_group,
+                                                block)
+  group_of = lambda blocks: blocks // per_group
+  maxima = x.max(-1) + jnp.repeat(offsets, per_group, axis=1)
+  best_blocks = jnp.sort(jax.lax.top_k(maxima, k)[1], axis=-1)
+  candidates = (jnp.take_along_axis(x, best_blocks[:, :, None], axis=1) +
+                jnp.take_along_axis(offsets, group_of(best_blocks),
+                                    axis=1)[:, :, None])
   values, picks = jax.lax.top_k(candidates.reshape(rows, k * block), k)
-  return values, (jnp.take_along_axis(best_blocks, picks // block, axis=1) *
-                  block + picks % block)
+  blocks = jnp.take_along_axis(best_blocks, picks // block, axis=1)
+  return values, (group_of(blocks) * n + blocks % per_group * block +
+                  picks % block)
 
 
 def _read_column(sequences, step):
@@ -724,13 +741,14 @@ def _beam_step(tokens_to_logits: TokensToLogits, state: BeamState, *,
                                    state.cache)
   logits = _float32_logits(logits)
   vocab = logits.shape[-1]
-  log_probs = _forbid(jax.nn.log_softmax(logits, axis=-1), [pad_id, bos_id])
-  # --> [batch, beams, vocab]: log p of every one-token extension
-  candidates = (state.live_log_probs[:, :, None] +
-                log_probs.reshape(batch, beams, vocab))
+  logits = logits.reshape(batch, beams, vocab)
+  # log p of every one-token extension is live log p + log_softmax(logits):
+  # the logits plus one offset per beam, added only where the best are
+  # (two passes over [rows, vocab] fewer than adding it everywhere).
+  offsets = state.live_log_probs - jax.nn.logsumexp(logits, axis=-1)
   # --> [batch, 2 * beams]: the best candidates over all beams at once
   top_log_probs, top_indices = top_k_in_blocks(
-      candidates.reshape(batch, beams * vocab), 2 * beams)
+      _forbid(logits, [pad_id, bos_id]), 2 * beams, offsets)
   top_beams = top_indices // vocab
   top_tokens = (top_indices % vocab).astype(jnp.int32)
   # --> [batch, 2 * beams, max_len + 1]: their sequences, new token written

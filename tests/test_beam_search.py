@@ -424,6 +424,25 @@ def test_top_k_in_blocks_is_top_k_ties_and_minus_infinity_included(rows, n, k):
   np.testing.assert_array_equal(indices, expected_indices)
 
 
+@pytest.mark.parametrize('rows, groups, n, k', [
+    (3, 4, 10_000, 8), (2, 3, 1_001, 6), (2, 5, 7, 4)])
+def test_top_k_in_blocks_with_offsets_is_top_k_of_the_sums(rows, groups, n,
+                                                           k):
+  # A beam step's candidates: each beam's logits plus its own offset, ties
+  # among the sums across beams and blocks, a dead beam (-inf offset).
+  rng = np.random.default_rng(n)
+  x = np.round(rng.normal(size=(rows, groups, n)) * 3).astype(np.float32)
+  x[rng.random((rows, groups, n)) < 0.1] = -np.inf
+  offsets = np.round(rng.normal(size=(rows, groups))).astype(np.float32)
+  offsets[0, 1:] = -np.inf
+  values, indices = jax.jit(search.top_k_in_blocks, static_argnums=1)(
+      x, k, offsets)
+  expected_values, expected_indices = jax.lax.top_k(
+      (x + offsets[..., None]).reshape(rows, groups * n), k)
+  np.testing.assert_array_equal(values, expected_values)
+  np.testing.assert_array_equal(indices, expected_indices)
+
+
 def test_windows_double_up_to_three_quarters_of_max_len():
   assert search.doubling_windows(30) == ()
   assert search.doubling_windows(66) == search.doubling_windows(98) == (24, 48)
