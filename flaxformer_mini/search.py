@@ -183,12 +183,19 @@ def _top_k(logits, k: int):
 
 def _top_p(logits, p):
   """float32[rows, vocab] with -inf outside the smallest set of most likely
-  tokens whose probability reaches p (the most likely token always kept)."""
-  ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-  probs = jax.nn.softmax(ordered, axis=-1)
-  kept = jnp.cumsum(probs, axis=-1) - probs < p  # the mass before each < p
-  least = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(logits < least, -jnp.inf, logits)
+  tokens whose probability reaches p (the most likely token always kept);
+  p >= 1: every token, unchanged."""
+  def nucleus(logits):
+    ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    kept = jnp.cumsum(probs, axis=-1) - probs < p  # the mass before each < p
+    least = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < least, -jnp.inf, logits)
+
+  # Sorting every row's vocabulary at every step was most of a sampling
+  # step; p is often traced (one program for every value), so the sort is
+  # skipped on the device where p keeps every token.
+  return jax.lax.cond(p < 1, nucleus, lambda logits: logits, logits)
 
 
 def _token_by_token(tokens_to_logits: TokensToLogits, cache, pick, *,

@@ -68,6 +68,18 @@ def test_temperature_top_k_and_top_p_reshape_the_distribution(options,
                               zip((EOS, A, B), expected) if p})
 
 
+def test_top_p_one_keeps_every_token_even_past_a_rounded_full_mass():
+  # In float32 the first token's probability rounds to 1, so the mass
+  # before the second is 1: a nucleus of p = 1 must still keep it ("1: all
+  # tokens"), traced or not; a smaller p cuts it.
+  logits = jnp.array([[0.0, -30.0, -31.0]], jnp.float32)
+  cut = jax.jit(search._top_p)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(cut(logits, 1.0), logits)
+  np.testing.assert_array_equal(search._top_p(logits, 1.0), logits)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(cut(logits, 0.5),
+                                [[0.0, -np.inf, -np.inf]])
+
+
 @pytest.mark.parametrize('options', [{'top_k': 1}, {'temperature': 0.0},
                                      {'temperature': 1e-4}])
 def test_top_k_one_and_temperature_to_zero_are_greedy(toy_model, options):
