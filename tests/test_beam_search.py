@@ -278,11 +278,17 @@ def _history_search_pieces():
                                                 pad_id=pad)
 
 
-def test_a_cache_grown_in_windows_gives_the_same_search_and_cache():
-  tokens_to_logits, windows, cache, ids = _history_search_pieces()
-  start = lambda: search.start_beam_search(
+def _history_search_start(cache, ids):
+  """The history model's search of its 8 items, 3 beams, up to 12 tokens,
+  before its first step."""
+  return search.start_beam_search(
       cache, batch_size=8, beam_size=3, max_len=12, bos_id=ids['bos_id'],
       pad_id=ids['pad_id'])
+
+
+def test_a_cache_grown_in_windows_gives_the_same_search_and_cache():
+  tokens_to_logits, windows, cache, ids = _history_search_pieces()
+  start = lambda: _history_search_start(cache, ids)
   run = lambda state, **kwargs: search.run_beam_search(
       tokens_to_logits, state, alpha=0.6, n_best=3, **ids, **kwargs)
   whole = run(start())
@@ -316,9 +322,7 @@ def test_a_window_that_runs_no_step_is_never_copied():
 
   # This model's first item is done at step 8, all but three at step 9.
   windows = dataclasses.replace(windows, lengths=(9, 10), take=take)
-  start = lambda: search.start_beam_search(
-      cache, batch_size=8, beam_size=3, max_len=12, bos_id=ids['bos_id'],
-      pad_id=ids['pad_id'])
+  start = lambda: _history_search_start(cache, ids)
   run = jax.jit(lambda state, until: search.run_beam_search(
       tokens_to_logits, state, alpha=0.6, n_best=3, until_searching=until,
       windows=windows, **ids), static_argnums=1)
