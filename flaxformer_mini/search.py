@@ -181,20 +181,44 @@ def _top_k(logits, k: int):
   return jnp.where(logits < kth, -jnp.inf, logits)
 
 
+def _order_keys(x):
+  """float32[...] -> int32[...] in the same order: a float's bits, the
+  negative ones' magnitude bits flipped (-0.0 taken as 0.0)."""
+  bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 def _top_p(logits, p):
   """float32[rows, vocab] with -inf outside the smallest set of most likely
-  tokens whose probability reaches p (the most likely token always kept);
-  p >= 1: every token, unchanged."""
-  def nucleus(logits):
-    ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    kept = jnp.cumsum(probs, axis=-1) - probs < p  # the mass before each < p
-    least = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < least, -jnp.inf, logits)
+  tokens whose probability reaches p (the most likely token always kept,
+  and every token as likely as one kept); p >= 1: every token, unchanged.
 
-  # Sorting every row's vocabulary at every step was most of a sampling
-  # step; p is often traced (one program for every value), so the sort is
-  # skipped on the device where p keeps every token.
+  A token is kept where the tokens more likely than it hold less than p.
+  That mass only falls as the logit rises, so the least logit kept is found
+  by bisection over the float32 values (as int32 keys in the same order):
+  32 halvings, each a masked sum over the vocabulary, where sorting every
+  row's vocabulary took 30x as long on a CPU.
+  """
+  def nucleus(logits):
+    keys = _order_keys(logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+
+    def halve(_, bounds):
+      # The least key kept lies in [low, high]: high is kept, and so is
+      # every key above it.
+      low, high = bounds
+      middle = (low >> 1) + (high >> 1) + (low & high & 1)  # no overflow
+      kept = jnp.sum(jnp.where(keys > middle, probs, 0), axis=-1,
+                     keepdims=True) < p
+      return jnp.where(kept, low, middle + 1), jnp.where(kept, middle, high)
+
+    low = jnp.full((logits.shape[0], 1), jnp.iinfo(jnp.int32).min)
+    high = jnp.max(keys, axis=-1, keepdims=True)  # nothing above it: kept
+    _, least = jax.lax.fori_loop(0, 32, halve, (low, high))
+    return jnp.where(keys < least, -jnp.inf, logits)
+
+  # p is often traced (one program for every value); where it keeps every
+  # token, the nucleus is skipped on the device.
   return jax.lax.cond(p < 1, nucleus, lambda logits: logits, logits)
 
 

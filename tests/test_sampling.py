@@ -80,6 +80,33 @@ def test_top_p_one_keeps_every_token_even_past_a_rounded_full_mass():
                                 [[0.0, -np.inf, -np.inf]])
 
 
+def test_top_p_keeps_each_token_with_less_than_p_more_likely_than_it():
+  # The nucleus, found by bisection over the float32 values, against its
+  # definition in float64: logits of either sign and any scale, ties (0.0
+  # beside -0.0 too), tokens at -inf (pad, bos, or cut by top_k).
+  rng = np.random.default_rng(0)
+  cut = jax.jit(search._top_p)  # pylint: disable=protected-access
+  checked = 0
+  for trial in range(300):
+    logits = rng.normal(size=(4, int(rng.integers(2, 50))))
+    logits = logits * rng.choice([0.01, 1.0, 30.0]) + rng.choice(
+        [-1e4, -60.0, 0.0, 60.0])
+    if trial % 3 == 0:
+      logits = np.round(logits)
+    logits = logits.astype(np.float32)
+    logits[:, 0] = [-0.0, 0.0, -np.inf, logits[3, 1]]
+    p = float(rng.uniform(0.02, 0.999))
+    wide = logits.astype(np.float64)
+    probs = np.exp(wide - wide.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    before = (probs[:, None, :] * (wide[:, None, :] > wide[:, :, None])).sum(-1)
+    if np.any(np.abs(before - p) < 1e-4):
+      continue  # float32's sums may fall either side of p
+    expected = np.where(before < p, logits, -np.inf)
+    np.testing.assert_array_equal(cut(jnp.asarray(logits), p), expected,
+                                  err_msg=f'trial {trial}, p={p}')
+    checked += 1
+  assert checked > 250
 @pytest.mark.parametrize('options', [{'top_k': 1}, {'temperature': 0.0},
                                      {'temperature': 1e-4}])
 def test_top_k_one_and_temperature_to_zero_are_greedy(toy_model, options):
