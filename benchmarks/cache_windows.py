@@ -5,8 +5,9 @@
 A step's parts, per beam row, at a cache of max_len = 82 positions (a
 32-token source + 50, the Multi30k test set's middle batch shape) and at
 the windows beam search now steps in (decoding.cache_windows: 24 and 48):
-the whole step (the decoder's layers, the vocabulary's log-softmax and
-top-k, and the cache reordered with the beams), the same with the
+the whole step (the decoder's layers, the vocabulary's normalizer and the
+choice of the best candidates as the search makes it, and the cache
+reordered with the beams), the same with the
 cross-attention keys and values repeated for every beam (where the search
 reads them once per sentence), with XLA's own top-k (jax.lax.top_k, where
 the search takes search.top_k_in_blocks), the step without the reordering,
@@ -38,11 +39,25 @@ import translate_command
 BEAMS, SRC_LEN, MAX_LEN = 4, 32, 82
 
 
-def _steps(params, src, config, length: int, reorder: bool, top_k,
+def _in_blocks(logits, offsets):
+  """The search's choice of the 2 x BEAMS best candidates of each item:
+  logits float32[items, BEAMS, vocab] plus one offset per beam, added only
+  in the blocks that may hold the best (search.top_k_in_blocks)."""
+  return search.top_k_in_blocks(logits, 2 * BEAMS, offsets)
+
+
+def _xla_top_k(logits, offsets):
+  """The same choice by XLA's own top-k, over every candidate's sum."""
+  return jax.lax.top_k((logits + offsets[..., None]).reshape(
+      logits.shape[0], -1), 2 * BEAMS)
+
+
+def _steps(params, src, config, length: int, reorder: bool, select,
            steps: int, per_beam: bool):
   """`steps` decoder steps of src's BEAMS beams each on a cache of `length`
-  positions -> a scalar; top_k: the selection of the best candidates, or
-  None (no vocabulary); per_beam: the encoder output repeated for every
+  positions -> a scalar; select: the choice of the best candidates
+  (_in_blocks or _xla_top_k, after the vocabulary's normalizer, as the
+  search chooses), or None (no vocabulary); per_beam: the encoder output repeated for every
   beam, so that each beam row reads its own copy of the cross-attention
   keys and values (as the search did before they were read once per
   sentence)."""
@@ -57,9 +72,10 @@ def _steps(params, src, config, length: int, reorder: bool, top_k,
   def step(_, carry):
     cache, total = carry
     logits, cache = tokens_to_logits(jnp.full((rows, 1), 5, jnp.int32), cache)
-    if top_k:
-      log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-      best, _ = top_k(log_probs.reshape(rows // BEAMS, -1), 2 * BEAMS)
+    if select:
+      logits = logits.astype(jnp.float32).reshape(rows // BEAMS, BEAMS, -1)
+      # Every beam's live log p 0: its offset is minus its normalizer.
+      best, _ = select(logits, -jax.nn.logsumexp(logits, axis=-1))
       total += best.sum()
     else:
       total += logits[:, 0].sum()
@@ -70,12 +86,12 @@ def _steps(params, src, config, length: int, reorder: bool, top_k,
   return jax.lax.fori_loop(0, steps, step, (cache, 0.0))[1]
 
 
-# name -> _steps's (reorder, top_k, per_beam).
+# name -> _steps's (reorder, select, per_beam).
 VARIANTS = {
-    'step': (True, search.top_k_in_blocks, False),
-    'step, cross-attention per beam': (True, search.top_k_in_blocks, True),
-    "step, XLA's top-k": (True, jax.lax.top_k, False),
-    'without reordering': (False, search.top_k_in_blocks, False),
+    'step': (True, _in_blocks, False),
+    'step, cross-attention per beam': (True, _in_blocks, True),
+    "step, XLA's top-k": (True, _xla_top_k, False),
+    'without reordering': (False, _in_blocks, False),
     'decoder layers only': (False, None, False)}
 
 
@@ -87,10 +103,10 @@ def step_parts(params, config, repeats: int, rows: int, steps: int,
   lengths = (*decoding.cache_windows(max_len).lengths, max_len)
   runs = {}
   for length in lengths:
-    for name, (reorder, top_k, per_beam) in VARIANTS.items():
-      call = (lambda length=length, reorder=reorder, top_k=top_k,
+    for name, (reorder, select, per_beam) in VARIANTS.items():
+      call = (lambda length=length, reorder=reorder, select=select,
               per_beam=per_beam:
-              run(params, src, config, length, reorder, top_k, steps,
+              run(params, src, config, length, reorder, select, steps,
                   per_beam).block_until_ready())
       call()  # compiles
       runs[(name, length)] = call
