@@ -6,6 +6,10 @@ per program on a CPU host, but still traces and lowers every program.
 `Executables`: the translate command's own programs serialized whole
 (jax.experimental.serialize_executable), so a later process loads them in
 milliseconds with no tracing, lowering or compiling at all.
+
+Both kinds of file share one folder, kept to `MAX_BYTES` (`prune`): every
+start and every program written removes the least recently used first, as
+each version of the code, each shape and each model leaves its own.
 """
 
 import functools
@@ -15,11 +19,18 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from typing import Any, Callable
 
 _DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla'))
 _SUFFIX = '.executable'
+# XLA's persistent cache names its files <program>-<key>-cache.
+_XLA_SUFFIX = '-cache'
+_PARTIAL = '.partial'  # a program being written, renamed once whole
+# What the folder may hold: hundreds of a small model's programs, tens of a
+# big one's; a program removed costs the next process one compile.
+MAX_BYTES = 1 << 30
 # Every program this process has compiled or loaded, by its file's path:
 # loaded or compiled once per process, whatever the store (XLA's CPU runtime
 # cannot run a program loaded into the process that compiled the same one).
@@ -31,16 +42,57 @@ def add_flag(parser) -> None:
   parser.add_argument(
       '--compilation_cache', default=_DEFAULT_DIR,
       help='persistent compilation cache: a rerun loads the compiled '
-      'programs instead of compiling them again ("" turns it off; default '
+      'programs instead of compiling them again, the least recently used '
+      f'removed past {MAX_BYTES >> 30} GiB ("" turns it off; default '
       '%(default)s).')
 
 
-def use(directory: str) -> None:
-  """Keeps every program compiled from now on in `directory` ('': none)."""
+def use(directory: str, max_bytes: int = MAX_BYTES) -> None:
+  """Keeps every program compiled from now on in `directory` ('': none),
+  the folder pruned to max_bytes first (`prune`)."""
   if directory:
     import jax  # pylint: disable=g-import-not-at-top
+    prune(directory, max_bytes)
     jax.config.update('jax_compilation_cache_dir', directory)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+
+
+def prune(directory: str, max_bytes: int = MAX_BYTES, keep: str = '') -> None:
+  """Removes the least recently used compiled programs of `directory` (XLA's
+  and `Executables`') until the rest hold at most max_bytes; never `keep`.
+
+  Last use is a file's access or modification time, whichever is later
+  (a program loaded by `Executables` is touched). Half-written programs
+  an hour old (a writer that died) go too. Left alone: any other file, and
+  whatever cannot be read or removed (a read-only folder, a file another
+  process removed first).
+  """
+  programs, dead = [], time.time() - 3600
+  for path in glob.glob(os.path.join(directory, '*')):
+    try:
+      stat = os.stat(path)
+    except OSError:
+      continue
+    if path.endswith((_SUFFIX, _XLA_SUFFIX)):
+      programs.append((max(stat.st_atime, stat.st_mtime), stat.st_size, path))
+    elif path.endswith(_PARTIAL) and stat.st_mtime < dead:
+      _remove(path)
+  total = sum(size for _, size, _ in programs)
+  for _, size, path in sorted(programs):
+    if total <= max_bytes:
+      break
+    if path != keep and _remove(path):
+      total -= size
+
+
+def _remove(path: str) -> bool:
+  """Whether `path` could be removed (it may be gone already, or the folder
+  read-only)."""
+  try:
+    os.remove(path)
+    return True
+  except OSError:
+    return False
 
 
 def _digest(*parts) -> str:
@@ -111,13 +163,16 @@ class Executables:
   for a jax.jit function whose keyword arguments `static` are static. A
   program found for another jax version or backend is left as it is and
   compiled again for this one, and a file that does not load is compiled
-  again, each with one line to `note`.
+  again, each with one line to `note`. Each program written prunes the
+  folder to max_bytes (`prune`); each loaded is marked as used.
   """
 
   def __init__(self, directory: str,
-               note: Callable[[str], None] = lambda line: None):
+               note: Callable[[str], None] = lambda line: None,
+               max_bytes: int = MAX_BYTES):
     self.directory = directory
     self._note = note
+    self._max_bytes = max_bytes
     self._code = _code_digest()
     self._environment = _environment()
 
@@ -153,8 +208,13 @@ class Executables:
       try:
         with open(path, 'rb') as f:
           _, payload, in_tree, out_tree = pickle.load(f)
-        return serialize_executable.deserialize_and_load(payload, in_tree,
-                                                         out_tree)
+        compiled = serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree)
+        try:
+          os.utime(path)  # used now: the last that `prune` removes
+        except OSError:
+          pass
+        return compiled
       except Exception as e:  # pylint: disable=broad-except
         self._note(f'the compiled {name} in {path} did not load '
                    f'({type(e).__name__}); compiling it again.')
@@ -185,13 +245,14 @@ class Executables:
       payload, in_tree, out_tree = serialize_executable.serialize(compiled)
       os.makedirs(self.directory, exist_ok=True)
       with tempfile.NamedTemporaryFile(dir=self.directory, delete=False,
-                                       suffix='.partial') as f:
+                                       suffix=_PARTIAL) as f:
         try:
           pickle.dump((self._environment, payload, in_tree, out_tree), f)
         except BaseException:
           os.unlink(f.name)
           raise
       os.replace(f.name, path)
+      prune(self.directory, self._max_bytes, keep=path)
     except (OSError, ValueError, NotImplementedError, pickle.PicklingError,
             TypeError) as e:
       reason = (e.strerror if isinstance(e, OSError) and e.strerror

@@ -21,7 +21,7 @@ _PROCESS = '''
 import json, sys
 import jax, jax.numpy as jnp
 from flaxformer_mini import compilation_cache
-folder, calls, environment, code, plain = json.loads(sys.argv[1])
+folder, calls, environment, code, plain, max_bytes = json.loads(sys.argv[1])
 if environment:
   compilation_cache._environment = lambda: environment
 if code:
@@ -31,7 +31,8 @@ def scaled_sum(x, y, *, power):
   traced.append(power)
   return {'sum': (x ** power).sum() + y, 'rows': x.shape[0] * y}
 program = jax.jit(scaled_sum, static_argnames='power')
-store = compilation_cache.Executables(folder, notes.append)
+store = compilation_cache.Executables(folder, notes.append,
+                                      max_bytes or compilation_cache.MAX_BYTES)
 if plain:  # jax's own jit, without the store
   store = lambda name, program, *args, **static: program(*args, **static)
 results = [float(store('f', program, jnp.arange(float(length)),
@@ -42,10 +43,11 @@ print(json.dumps({'traced': traced, 'notes': notes, 'results': results,
 '''
 
 
-def _process(folder, calls, environment='', code='', plain=False, env=None):
+def _process(folder, calls, environment='', code='', plain=False, env=None,
+             max_bytes=0):
   result = subprocess.run(
       [sys.executable, '-c', _PROCESS,
-       json.dumps([str(folder), calls, environment, code, plain])],
+       json.dumps([str(folder), calls, environment, code, plain, max_bytes])],
       capture_output=True, text=True, cwd=ROOT, timeout=300,
       env={**os.environ, **(env or {})})
   assert result.returncode == 0, result.stderr[-3000:]
@@ -122,6 +124,43 @@ def test_a_folder_that_cannot_be_written_costs_a_compile_and_a_note(tmp_path):
   assert result['notes'] == [
       f'the compiled f could not be kept in {blocked / "xla"} (Not a '
       'directory); the next run compiles it again.']
+
+
+def test_the_folder_keeps_to_its_size_the_least_recently_used_going_first(
+    tmp_path):
+  _process(tmp_path, [[6, 3], [4, 3]])
+  sizes = {name: (tmp_path / name).stat().st_size
+           for name in os.listdir(tmp_path)}
+  # A third program would not fit beside both: the one loaded now stays,
+  # the one not used since goes.
+  later = _process(tmp_path, [[6, 3], [5, 3]],
+                   max_bytes=sum(sizes.values()) + max(sizes.values()) // 2)
+  assert later['traced'] == [3] and later['notes'] == []
+  kept = set(os.listdir(tmp_path))
+  assert len(kept) == 2 and len(kept & set(sizes)) == 1
+  again = _process(tmp_path, [[6, 3], [5, 3], [4, 3]])
+  assert again['traced'] == [3]  # only the one removed: [4, 3]
+  assert again['results'] == [_expected(6, 3), _expected(5, 3),
+                              _expected(4, 3)]
+
+
+def test_pruning_keeps_other_files_and_removes_dead_writers_files(tmp_path):
+  old = 1_000_000_000  # 2001: long unused
+  for name, size in [('a.executable', 300), ('b-key-cache', 300),
+                     ('c.executable', 300), ('notes.txt', 5000),
+                     ('tmp1.partial', 10), ('tmp2.partial', 10)]:
+    (tmp_path / name).write_bytes(b'x' * size)
+  for name, when in [('a.executable', old), ('b-key-cache', old + 1),
+                     ('tmp1.partial', old)]:
+    os.utime(tmp_path / name, (when, when))
+  compilation_cache.prune(str(tmp_path), max_bytes=600)
+  # a went first; b, used after it, is kept; a partial being written now too.
+  assert sorted(os.listdir(tmp_path)) == [
+      'b-key-cache', 'c.executable', 'notes.txt', 'tmp2.partial']
+  compilation_cache.prune(str(tmp_path), max_bytes=0, keep=str(
+      tmp_path / 'c.executable'))
+  assert sorted(os.listdir(tmp_path)) == ['c.executable', 'notes.txt',
+                                          'tmp2.partial']
 
 
 def test_the_key_names_what_a_program_only_runs_under():
