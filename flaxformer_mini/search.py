@@ -103,8 +103,8 @@ def _argmax(x):
 
 
 def _categorical(key, logits):
-  """jax.random.categorical(key, logits) for float32[n] logits: the Gumbel-
-  max draw, argmax(gumbel + logits), its argmax `_argmax` (the same
+  """jax.random.categorical(key, logits) for float32[n] logits: the
+  Gumbel-max draw, argmax(gumbel + logits), taken with `_argmax` (the same
   tokens, 3x faster on a CPU)."""
   return _argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
 
