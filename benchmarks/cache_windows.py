@@ -7,9 +7,9 @@ A step's parts, per beam row, at a cache of max_len = 82 positions (a
 the windows beam search now steps in (decoding.cache_windows: 24 and 48):
 the whole step (the decoder's layers, the vocabulary's normalizer and the
 choice of the best candidates as the search makes it, and the cache
-reordered with the beams), the same with the
-cross-attention keys and values repeated for every beam (where the search
-reads them once per sentence), with XLA's own top-k (jax.lax.top_k, where
+reordered with the beams), the same with the cross-attention keys and
+values repeated for every beam (where the search reads them once per
+sentence), with XLA's own top-k (jax.lax.top_k, where
 the search takes search.top_k_in_blocks), the step without the reordering,
 and without the vocabulary either. --rows 256 (64 sentences x 4
 beams), the run's model (without --workdir: the multi30k preset's, random),
@@ -57,10 +57,10 @@ def _steps(params, src, config, length: int, reorder: bool, select,
   """`steps` decoder steps of src's BEAMS beams each on a cache of `length`
   positions -> a scalar; select: the choice of the best candidates
   (_in_blocks or _xla_top_k, after the vocabulary's normalizer, as the
-  search chooses), or None (no vocabulary); per_beam: the encoder output repeated for every
-  beam, so that each beam row reads its own copy of the cross-attention
-  keys and values (as the search did before they were read once per
-  sentence)."""
+  search chooses), or None (no vocabulary); per_beam: the encoder output
+  repeated for every beam, so that each beam row reads its own copy of the
+  cross-attention keys and values (as the search did before they were read
+  once per sentence)."""
   rows = src.shape[0] * BEAMS
   tokens_to_logits, _ = decoding.encoded_for_search(
       params, search.expand_to_beams(src, BEAMS) if per_beam else src,

@@ -167,12 +167,16 @@ def sample_search(tokens_to_logits: TokensToLogits, cache, *, rng,
     raise ValueError(f'top_p={top_p}: must lie in (0, 1].')
 
   def draw(logits, step):
-    greedy = _argmax(logits)
-    logits = _top_p(_top_k(logits / jnp.where(temperature > 0, temperature, 1),
-                           top_k), top_p)
-    keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)
-    drawn = jax.vmap(_categorical)(keys, logits)
-    return jnp.where(temperature > 0, drawn, greedy)
+    def drawn(logits):
+      # The guard keeps a vmapped temperature of 0, whose draw is computed
+      # and thrown away, from dividing by 0.
+      logits = _top_p(_top_k(
+          logits / jnp.where(temperature > 0, temperature, 1), top_k), top_p)
+      keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)
+      return jax.vmap(_categorical)(keys, logits)
+
+    # One of the two per step (both only under a vmap over temperature).
+    return jax.lax.cond(temperature > 0, drawn, _argmax, logits)
 
   return _token_by_token(
       tokens_to_logits, cache, draw, batch_size=batch_size, max_len=max_len,

@@ -127,6 +127,8 @@ def test_top_p_keeps_each_token_with_less_than_p_more_likely_than_it():
                                   err_msg=f'trial {trial}, p={p}')
     checked += 1
   assert checked > 250
+
+
 @pytest.mark.parametrize('options', [{'top_k': 1}, {'temperature': 0.0},
                                      {'temperature': 1e-4}])
 def test_top_k_one_and_temperature_to_zero_are_greedy(toy_model, options):
