@@ -133,10 +133,17 @@ def test_an_unknown_tfds_name_is_refused(tmp_path):
     parallel_text.load_catalog('no_such_dataset', str(tmp_path))
 
 
-def test_an_unprepared_catalog_dataset_fails_at_once_offline(tmp_path):
+def test_an_unprepared_catalog_dataset_fails_at_once_and_leaves_nothing(
+    tmp_path, monkeypatch):
+  temporary = tmp_path / 'system_tmp'
+  temporary.mkdir()
+  monkeypatch.setattr(tempfile, 'tempdir', str(temporary))
   with pytest.raises(parallel_text.DataError,
                      match=r'ted_hrlr_translate/pt_to_en is not prepared'):
-    parallel_text.load_catalog('ted_hrlr_translate/pt_to_en', str(tmp_path))
+    parallel_text.load_catalog('ted_hrlr_translate/pt_to_en',
+                               str(tmp_path / 'tfds'))
+  assert list(temporary.iterdir()) == []
+  assert tempfile.tempdir == str(temporary)
 
 
 @needs_multi30k

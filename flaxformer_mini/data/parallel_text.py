@@ -22,6 +22,7 @@ import importlib.util
 import io
 import logging
 import os
+import tempfile
 
 import tensorflow_datasets as tfds
 
@@ -245,6 +246,22 @@ def _without_download_notes():
 
 
 @contextlib.contextmanager
+def _temporary_files_removed():
+  """tfds.builder of a catalog dataset that is not prepared looks for its
+  statistics on TFDS's bucket through a folder made with tempfile.mkdtemp
+  and never removed (DatasetInfo.initialize_from_bucket, tensorflow_datasets
+  4.9): one folder left in the system's temporary directory per refusal.
+  While the builder is made, tempfile makes its folders inside one that is
+  removed afterwards."""
+  with tempfile.TemporaryDirectory() as scratch:
+    system, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+      yield
+    finally:
+      tempfile.tempdir = system
+
+
+@contextlib.contextmanager
 def _in_memory_shuffle():
   """TFDS's writer holds a split's examples in memory up to 1 GB and spills
   the rest to temporary files through TensorFlow's file API, which this
@@ -282,8 +299,9 @@ def load_catalog(name: str, tfds_dir: str | None) -> dict:
     # Without h5py, the WMT builders register only when imported directly.
     import tensorflow_datasets.translate.wmt14  # pylint: disable=g-import-not-at-top,unused-import
   try:
-    builder = tfds.builder(name, data_dir=tfds_dir,
-                           file_format='array_record')
+    with _temporary_files_removed():
+      builder = tfds.builder(name, data_dir=tfds_dir,
+                             file_format='array_record')
   except tfds.core.registered.DatasetNotFoundError as e:
     raise DataError(f'--dataset={name}: TFDS does not know this dataset '
                     f'({str(e).splitlines()[0]}).') from None
