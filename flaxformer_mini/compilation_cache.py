@@ -18,16 +18,16 @@ import hashlib
 import os
 import pickle
 import sys
-import tempfile
 import time
 from typing import Any, Callable
+
+from flaxformer_mini import disk
 
 _DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla'))
 _SUFFIX = '.executable'
 # XLA's persistent cache names its files <program>-<key>-cache.
 _XLA_SUFFIX = '-cache'
-_PARTIAL = '.partial'  # a program being written, renamed once whole
 # What the folder may hold: hundreds of a small model's programs, tens of a
 # big one's; a program removed costs the next process one compile.
 MAX_BYTES = 1 << 30
@@ -75,7 +75,7 @@ def prune(directory: str, max_bytes: int = MAX_BYTES, keep: str = '') -> None:
       continue
     if path.endswith((_SUFFIX, _XLA_SUFFIX)):
       programs.append((max(stat.st_atime, stat.st_mtime), stat.st_size, path))
-    elif path.endswith(_PARTIAL) and stat.st_mtime < dead:
+    elif path.endswith(disk.PARTIAL) and stat.st_mtime < dead:
       _remove(path)
   total = sum(size for _, size, _ in programs)
   for _, size, path in sorted(programs):
@@ -244,14 +244,8 @@ class Executables:
     try:
       payload, in_tree, out_tree = serialize_executable.serialize(compiled)
       os.makedirs(self.directory, exist_ok=True)
-      with tempfile.NamedTemporaryFile(dir=self.directory, delete=False,
-                                       suffix=_PARTIAL) as f:
-        try:
-          pickle.dump((self._environment, payload, in_tree, out_tree), f)
-        except BaseException:
-          os.unlink(f.name)
-          raise
-      os.replace(f.name, path)
+      with disk.written_whole(path, 'wb') as f:
+        pickle.dump((self._environment, payload, in_tree, out_tree), f)
       prune(self.directory, self._max_bytes, keep=path)
     except (OSError, ValueError, NotImplementedError, pickle.PicklingError,
             TypeError) as e:

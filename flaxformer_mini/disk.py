@@ -1,4 +1,8 @@
-"""Running out of disk, for every writer of a run: one error, one line.
+"""Writing to disk, for every writer of a run: whole files, and one line
+when the disk is full.
+
+`written_whole` writes a file beside its place and renames it there, so a
+reader, a writer that dies, or a full disk never leaves half a file behind.
 
 A full disk (or a quota, or a file-size limit) shows up in many forms: an
 OSError from Python, a RESOURCE_EXHAUSTED ValueError from orbax's
@@ -7,8 +11,13 @@ TensorStore, a RuntimeError from TFDS, a SentencePiece model cut short.
 the folder and what to do, and train.py prints it as one line.
 """
 
+import contextlib
 import errno
+import os
 import shutil
+
+# The end of a file's name while it is written (`written_whole`).
+PARTIAL = '.partial'
 
 # What the operating system says when no more can be written.
 _ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -35,3 +44,22 @@ def is_full(error: BaseException) -> bool:
 def free_bytes(path: str) -> int:
   """Bytes that may still be written on the disk of `path` (a folder)."""
   return shutil.disk_usage(path).free
+
+
+@contextlib.contextmanager
+def written_whole(path: str, mode: str = 'w'):
+  """Yields a file, opened with `mode`, that becomes `path` only once the
+  block ends without an error: it is written as PATH.<pid>.partial and then
+  renamed, so `path` holds the old file or the whole new one, never part of
+  it, and processes writing the same path at once do not mix. On an error
+  the partial file is removed and the error goes on.
+  """
+  partial = f'{path}.{os.getpid()}{PARTIAL}'
+  try:
+    with open(partial, mode) as f:
+      yield f
+    os.replace(partial, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(partial)
+    raise

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import jax
 
 from flaxformer_mini import checkpoints as ckpt
+from flaxformer_mini import disk
 from flaxformer_mini.config import TransformerConfig
 
 if TYPE_CHECKING:
@@ -133,9 +134,8 @@ class Workdir:
   def write_json(self, name: str, content: dict) -> str:
     """Writes WORKDIR/name (whole, or not at all); returns its path."""
     path = self.path_of(name)
-    with open(path + '.tmp', 'w') as f:
+    with disk.written_whole(path) as f:
       json.dump(content, f, indent=2)
-    os.replace(path + '.tmp', path)
     return path
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import (MULTI30K, ROOT, multi30k_lines,
                       tiny_translation_config, tiny_translation_flags)
-from flaxformer_mini import checkpoints, loop
+from flaxformer_mini import checkpoints, disk, loop
 from flaxformer_mini.config import get_config
 from flaxformer_mini.data import DataError, parallel_text
 from flaxformer_mini.data import prepared as prepared_lib
@@ -541,6 +541,22 @@ def test_a_closed_pipe_ends_the_command_quietly(tiny_run, tmp_path):
   assert first.endswith(b'\n')
   assert command.returncode == 141, err.decode()[-2000:]
   assert err == b''
+
+
+def test_a_file_is_written_whole_or_left_as_it_was(tmp_path):
+  # Every file a run, its data or its programs keep goes through
+  # disk.written_whole: one that fails midway leaves nothing half written.
+  path = tmp_path / 'run.json'
+  path.write_text('{"old": 1}')
+  with pytest.raises(TypeError, match='not JSON serializable'):
+    with disk.written_whole(str(path)) as f:
+      json.dump({'written': 1, 'then': object()}, f)
+  assert path.read_text() == '{"old": 1}'
+  assert os.listdir(tmp_path) == ['run.json']
+  with disk.written_whole(str(path), 'wb') as f:
+    f.write(b'{"new": 2}')
+  assert path.read_text() == '{"new": 2}'
+  assert os.listdir(tmp_path) == ['run.json']
 
 
 @needs_multi30k

@@ -15,6 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from flaxformer_mini import disk
 from flaxformer_mini.data import DataError
 
 URL = ('https://raw.githubusercontent.com/multi30k/dataset/'
@@ -70,7 +71,7 @@ def download(directory: str, timeout: float = 60.0) -> list[str]:
 
 
 def _fetch(name: str, path: str, timeout: float) -> None:
-  """Writes URL + name to `path`, whole (through path.part) or not at all."""
+  """Writes URL + name to `path`, whole or not at all."""
   try:
     with urllib.request.urlopen(URL + name, timeout=timeout) as response:
       data = response.read()
@@ -83,9 +84,8 @@ def _fetch(name: str, path: str, timeout: float) -> None:
   if hashlib.sha256(data).hexdigest() != SHA256[name]:
     raise DataError(f'{URL + name} arrived damaged (its SHA-256 differs); '
                     'run again.')
-  with open(path + '.part', 'wb') as f:
+  with disk.written_whole(path, 'wb') as f:
     f.write(data)
-  os.replace(path + '.part', path)
 
 
 def main(argv: list[str]) -> None:

@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from flaxformer_mini import disk
 from flaxformer_mini.data import DataError
 
 SIDES = ('src', 'tgt')
@@ -84,11 +85,10 @@ def write_split(directory: str, split: str,
   finally:
     for written in files.values():
       written.file.close()
-  with open(status + '.tmp', 'w') as f:
+  with disk.written_whole(status) as f:
     json.dump({'pairs': pairs, 'dtype': dtype.name, 'tokens': ends,
                'vocab_size': vocab_size,
                'crc32': {name: w.crc32 for name, w in files.items()}}, f)
-  os.replace(status + '.tmp', status)
 
 
 def source_texts(source, indices, languages: tuple[str, str],
