@@ -48,7 +48,7 @@ import time
 from flaxformer_mini import decoding, translate
 from flaxformer_mini.translation import translate_ids
 from flaxformer_mini import workdir as workdir_lib
-from flaxformer_mini.config import get_config
+from flaxformer_mini.config import STOPPING_RULES, get_config
 from flaxformer_mini.data import parallel_text
 from flaxformer_mini.data.lines import read_lines
 
@@ -78,14 +78,16 @@ def _timed_passes(run) -> tuple[float, float, list]:
 
 
 def translate_command(workdir: str, data_dir: str, split: str, beam: int,
-                      batch_size: int) -> tuple[dict, object]:
+                      batch_size: int, stopping: str | None
+                      ) -> tuple[dict, object]:
   """The trained model on the test split -> (figures, its config)."""
   trained = workdir_lib.load_run(workdir)
   config, params = trained.config, trained.params
   sources = [trained.tokenizer.encode(line) for line in
              split_lines(data_dir, config, split)]
   run = functools.partial(translate_ids, params, config, sources,
-                          beam_size=beam, batch_size=batch_size)
+                          beam_size=beam, batch_size=batch_size,
+                          stopping=stopping)
   first_s, seconds, outputs = _timed_passes(run)
   one_first_s, one_seconds, one_outputs = _timed_passes(
       functools.partial(run, shrink_batches=False))
@@ -148,15 +150,18 @@ def _rate(lines: int, seconds: list[float]) -> dict:
 
 
 def against_ctranslate2(workdir: str, data_dir: str, beam: int,
-                        batch_size: int, rounds: int, train_lines: int) -> dict:
+                        batch_size: int, rounds: int, train_lines: int,
+                        stopping: str | None) -> dict:
   """The project's search and command against CTranslate2 on the same
-  weights: the searches in this process, then whole processes, in turns."""
+  weights: the searches in this process, then whole processes, in turns;
+  the project's under `stopping` (None: the run's rule)."""
   import ctranslate2  # pylint: disable=g-import-not-at-top
   import sacrebleu  # pylint: disable=g-import-not-at-top
   from flaxformer_mini import to_ctranslate2  # pylint: disable=g-import-not-at-top
   trained = workdir_lib.load_run(workdir)
   config, vocab = trained.config, trained.tokenizer
   alpha, limit = config.eval_alpha, config.max_len
+  stopping = config.eval_stopping if stopping is None else stopping
   test = split_lines(data_dir, config, 'test_2016_flickr')
   references = split_lines(data_dir, config, 'test_2016_flickr', side=1)
   train = split_lines(data_dir, config, 'train')[:train_lines]
@@ -179,7 +184,7 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   runs = {
       'project': lambda: [vocab.decode(ids) for ids in translate_ids(
           trained.params, config, sources, beam_size=beam,
-          batch_size=batch_size)],
+          batch_size=batch_size, stopping=stopping)],
       'ctranslate2_float32': functools.partial(
           _ctranslate2_search, ctranslate2.Translator(
               folder, compute_type='float32', intra_threads=os.cpu_count()),
@@ -203,7 +208,8 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
     cache = os.path.join(scratch, f'xla-{name}')
     command = [sys.executable, '-m', 'flaxformer_mini.translate',
                f'--workdir={workdir}', f'--input={source}',
-               f'--beam_size={beam}', f'--batch_size={batch_size}']
+               f'--beam_size={beam}', f'--batch_size={batch_size}',
+               f'--stopping={stopping}']
     # What each kind of process writes: the command to its stdout, a
     # CTranslate2 process to the file it is given.
     target = lambda kind: os.path.join(scratch, f'{name}-{kind}.txt')
@@ -244,7 +250,8 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   import jax  # pylint: disable=g-import-not-at-top
   return {'beam': beam, 'alpha': alpha, 'batch_size': batch_size,
           'devices': jax.local_device_count(),
-          'stopping': config.eval_stopping, 'rounds': rounds,
+          'stopping': stopping, 'runs_stopping': config.eval_stopping,
+          'rounds': rounds,
           'searches': searches, 'processes': processes}
 
 
@@ -259,8 +266,10 @@ def ctranslate2_table(result: dict) -> str:
       f"beam {c['beam']}, α {c['alpha']} (CTranslate2's "
       f"length_penalty {c['alpha']}), batches of {c['batch_size']} (the "
       f"project's: {c['batch_size']} per device on {c['devices']} "
-      f"device(s), one per core), the run's stopping rule "
-      f"({c['stopping']}); medians of {c['rounds']} rounds in turns.", '',
+      f"device(s), one per core), the stopping rule {c['stopping']} ("
+      + ("the run's" if c['stopping'] == c.get('runs_stopping', c['stopping'])
+         else f"the run's is {c['runs_stopping']}") +
+      f"); medians of {c['rounds']} rounds in turns.", '',
       '| what | input | sentences/s | project ÷ CTranslate2 float32 | BLEU | '
       'same output as the project |', '|---|---|---:|---:|---:|---:|']
   ratio = s['project_over_ctranslate2_float32']['of_medians']
@@ -347,6 +356,8 @@ def main():
                       help='also against CTranslate2 (needs --workdir)')
   parser.add_argument('--rounds', type=int, default=2)
   parser.add_argument('--train_lines', type=int, default=5000)
+  parser.add_argument('--stopping', choices=STOPPING_RULES,
+                      help="the project's stopping rule (default: the run's)")
   parser.add_argument('--write_docs', action='store_true')
   args = parser.parse_args()
   if args.ctranslate2 and not args.workdir:
@@ -357,7 +368,8 @@ def main():
   result = {'benchmark': 'translate'}
   if args.workdir:
     result['command'], config = translate_command(
-        args.workdir, args.data_dir, args.split, args.beam, args.batch_size)
+        args.workdir, args.data_dir, args.split, args.beam, args.batch_size,
+        args.stopping)
     gen_len = int(round(result['command']['mean_generated_tokens']))
   else:
     config, gen_len = get_config('multi30k'), 16
@@ -376,7 +388,7 @@ def main():
   if args.ctranslate2:
     result['ctranslate2'] = against_ctranslate2(
         args.workdir, args.data_dir, args.beam, args.batch_size, args.rounds,
-        args.train_lines)
+        args.train_lines, args.stopping)
   common.emit(result)
   if args.write_docs and args.ctranslate2:
     write_docs(ctranslate2_table({**result,

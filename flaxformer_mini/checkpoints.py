@@ -42,13 +42,19 @@ from flaxformer_mini.training import TrainState, init_params
 
 # Fields that may change between a run and its resumption: how long (and so
 # where the learning rate cools down), how often to log, evaluate and save,
-# how the products are computed (the same values), and in how many
+# how the products are computed (the same values), in how many
 # micro-batches an update's batch is taken (the same update and optimizer
-# state, on a machine with fewer or more devices).
+# state, on a machine with fewer or more devices), and when the
+# evaluations' beam searches stop (the same translations but for one or two
+# in a thousand; a run saved under the old default resumes under the new).
 RESUMABLE_FIELDS = frozenset({
     'train_steps', 'cooldown_steps', 'max_train_minutes', 'log_every',
     'eval_every', 'checkpoint_every', 'keep_checkpoints', 'cpu_kernels',
-    'average_last', 'grad_accumulation'})
+    'average_last', 'grad_accumulation', 'eval_stopping'})
+
+# What a run saved before a field existed did, where the field's default
+# has since changed.
+_BEFORE_THE_FIELD = {'eval_stopping': 'exact'}
 
 
 class _QuietOrbax(logging.Filter):
@@ -385,11 +391,13 @@ def intact_steps(directory: str) -> list[int]:
 
 
 def saved_config(meta: dict) -> TransformerConfig:
-  """The config saved in a checkpoint's meta (fields it lacks: their defaults;
-  fields since removed: dropped)."""
+  """The config saved in a checkpoint's meta (fields it lacks: what the run
+  did before they existed, else their defaults; fields since removed:
+  dropped)."""
   known = {f.name for f in dataclasses.fields(TransformerConfig)}
-  return TransformerConfig(**{k: v for k, v in meta['config'].items()
-                              if k in known})
+  return TransformerConfig(**{**_BEFORE_THE_FIELD,
+                              **{k: v for k, v in meta['config'].items()
+                                 if k in known}})
 
 
 def params_shape(config: TransformerConfig):

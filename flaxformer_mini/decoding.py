@@ -303,7 +303,7 @@ def _cut_at_limits(tokens, limits, pad_id: int):
 def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
                 n_best: int = 1, finished_first: bool = True,
-                stopping: str = 'exact',
+                stopping: str = 'current_length',
                 on_step: Callable[[BeamState], None] | None = None,
                 grow_cache: bool = False) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.
@@ -326,10 +326,10 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
       result does not depend on how far its batch is padded), the arrays
       as long as the batch's src_len + 50, within config.max_len.
     beam_size, alpha, n_best, finished_first, stopping, on_step:
-      see `beam_search` ('exact' here, as a library call that wants the most
-      probable output; the translate command and evaluations use the run's
-      config.eval_stopping). Under jax.jit, config, beam_size, max_len,
-      n_best, stopping and grow_cache are static; alpha may be traced.
+      see `beam_search` (the translate command and evaluations use the
+      run's config.eval_stopping, whose default is this one's). Under
+      jax.jit, config, beam_size, max_len, n_best, stopping and grow_cache
+      are static; alpha may be traced.
     grow_cache: grow the key/value cache in windows (`cache_windows`), as
       the translate command does: the same results up to float rounding,
       1.6x faster on CPU at max_len 66-98, for two or more loop bodies to

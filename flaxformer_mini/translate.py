@@ -129,7 +129,9 @@ def main(argv: list[str]) -> None:
   parser.add_argument('--stopping', choices=STOPPING_RULES,
                       help="when a sentence's beam search ends (default: the "
                       "run's eval_stopping; 'exact': when no longer "
-                      "hypothesis could win).")
+                      "hypothesis could win; 'current_length', a new run's: "
+                      'once beam_size have finished and none live beats them '
+                      'at its current length).')
   parser.add_argument('--batch_size', type=cli.positive_int, default=64,
                       help='sentences per search on each device (a CPU '
                       'host has one device per core).')

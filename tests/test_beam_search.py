@@ -320,12 +320,13 @@ def test_a_window_that_runs_no_step_is_never_copied():
     jax.debug.callback(record, length, ordered=True)
     return take(cache, length)
 
-  # This model's first item is done at step 8, all but three at step 9.
+  # Under the exact rule this model's first item is done at step 8, all but
+  # three at step 9.
   windows = dataclasses.replace(windows, lengths=(9, 10), take=take)
   start = lambda: _history_search_start(cache, ids)
   run = jax.jit(lambda state, until: search.run_beam_search(
       tokens_to_logits, state, alpha=0.6, n_best=3, until_searching=until,
-      windows=windows, **ids), static_argnums=1)
+      windows=windows, stopping='exact', **ids), static_argnums=1)
   early = run(start(), 7)
   assert int(early.step) == 8 and taken == [9]  # window 10 never reached
   taken.clear()
@@ -494,7 +495,8 @@ def test_a_copy_model_copies_with_beam_four(small_copy_config,
 def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
     small_copy_config, train_copy_model, monkeypatch):
   """translate_ids in batches of 32 (stages of 32 and 8 rows) gives each
-  sentence the translation it gets searched alone."""
+  sentence the translation it gets searched alone (under the exact rule,
+  with which this model's sentences end at steps far enough apart)."""
   cfg = small_copy_config
   state, _, _ = train_copy_model(cfg)
   rng = np.random.default_rng(0)
@@ -506,13 +508,14 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
       translation, '_jit_later_stage', lambda params, src, state, keep, **kw: (
           taken.append(len(keep)), later(params, src, state, keep, **kw))[1])
   together = translation.translate_ids(state.params, cfg, sources, beam_size=2,
-                                    batch_size=32)
+                                    batch_size=32, stopping='exact')
   assert taken and set(taken) == {8}  # some left their batch of 32
   alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
-                                  batch_size=1)[0] for ids in sources]
+                                  batch_size=1, stopping='exact')[0] for ids in sources]
   assert together == alone
   assert translation.translate_ids(state.params, cfg, sources, beam_size=2,
-                                batch_size=32, shrink_batches=False) == alone
+                                batch_size=32, shrink_batches=False,
+                                stopping='exact') == alone
 
 
 def test_a_file_s_sentences_share_one_source_length_and_keep_their_own_limits(
@@ -750,23 +753,32 @@ def test_a_batch_is_dealt_to_the_devices_by_length_in_turn(toy_config):
 
 
 def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40,
-                      limit=None):
+                      limit=None, eos_prob=0.6):
   """The step at which a hand-made search is done under a stopping rule.
 
   The chain: from any token, eos 0.6 and a 0.4 (nothing else). With
-  alpha 1 and beam 2, [eos] finishes at step 1 (score log 0.6 = -0.51) and
-  the live [a, ..., a] of step k has log p = k log 0.4 = -0.92 k:
-    current_length: done at step 1 (-0.51 >= -0.92 / lp(1) = -0.92);
-    beam_finished: step 2, when [a, eos] fills the second finished slot;
+  alpha 1 and beam 2, [eos] finishes at step 1 (score log 0.6 = -0.51),
+  [a, eos] at step 2 ((log 0.4 + log 0.6) / lp(2) = -1.22, lp(k) =
+  (5 + k) / 6), and the live [a, ..., a] of step k has log p = k log 0.4 =
+  -0.92 k:
+    beam_finished: done at step 2, when [a, eos] fills the second slot;
+    current_length: step 2, the second slot filled and -1.22 >= the live
+      -1.83 / lp(2) = -1.57;
     exact, n_best 1: the first k with -0.51 >= -0.92 k / lp(40), lp(40) =
       45 / 6: k = 5;
-    exact, n_best 2: the same against the second finished score, [a, eos]'s
-      (log 0.4 + log 0.6) / lp(2) = -1.22: k = 11 (the rule before n_best
-      counted, which waited for the worst of the beam's finished ones);
+    exact, n_best 2: the same against the second finished score, -1.22:
+      k = 11 (the rule before n_best counted, which waited for the worst of
+      the beam's finished ones);
     exact, the item's limit 10: the bound is lp(10) = 15 / 6: k = 2.
+  With eos 0.4 and a 0.6, the finished [eos] and [a, eos] score -0.92 and
+  -1.22 and the live -0.51 k / lp(k), which first falls below -1.22 at
+  k = 4 (-1.36; -1.15 at k = 3): current_length ends at step 4, after
+  beam_finished (2) and long before exact (-0.92 >= -0.51 k / lp(40) at
+  k = 14).
   """
   pad, bos, eos, a = range(4)
-  probs = np.tile([0, 0, 0.6, 0.4], (4, 1))  # the same from every token
+  # From every token alike: eos or a.
+  probs = np.tile([0, 0, eos_prob, 1 - eos_prob], (4, 1))
   with np.errstate(divide='ignore'):
     transition_logits = jnp.asarray(np.log(probs), jnp.float32)
   steps = []
@@ -789,8 +801,11 @@ def _steps_until_done(stopping, n_best=1, beam_size=2, max_len=40,
 
 
 def test_each_stopping_rule_ends_the_search_at_the_step_it_should():
-  assert _steps_until_done('current_length') == 1
+  assert _steps_until_done('current_length') == 2
+  assert _steps_until_done('current_length', eos_prob=0.4) == 4
   assert _steps_until_done('beam_finished') == 2
+  assert _steps_until_done('beam_finished', eos_prob=0.4) == 2
+  assert _steps_until_done('exact', eos_prob=0.4) == 14
   assert _steps_until_done('exact') == 5
   assert _steps_until_done('exact', n_best=2) == 11
   assert _steps_until_done('exact', limit=10) == 2

@@ -182,8 +182,12 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   result = _benchmark('translate_command.py', f'--workdir={workdir}',
                       f'--data_dir={data_slice}', '--beam=2', '--batch_size=8',
                       '--repeats=1', '--no_baseline', '--ctranslate2',
-                      '--rounds=1', '--train_lines=12')
+                      '--rounds=1', '--train_lines=12', '--stopping=exact')
   compared = result['ctranslate2']
+  # The rule asked for, not the run's (a new run's default), in the search
+  # and the command alike.
+  assert (compared['stopping'], compared['runs_stopping']) == (
+      'exact', 'current_length')
   searches, processes = compared['searches'], compared['processes']
   assert searches['project']['same_as_project'] == 30
   # The same model: an untrained one runs most lines to the length limit,
@@ -216,6 +220,7 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert '| CTranslate2 float32, search alone | 30 test lines |' in table
   assert '| CTranslate2 int8, process | 30 test lines |' in table
   assert f"8 per device on {compared['devices']} device(s)" in table
+  assert "the stopping rule exact (the run's is current_length)" in table
   assert (f"loaded by the warm one: {processes['test']['programs']} for the "
           'test lines') in table
 
