@@ -18,6 +18,7 @@ import hashlib
 import os
 import pickle
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -135,23 +136,41 @@ def _signature(tree) -> str:
       for leaf in leaves]))
 
 
-def _compile_afresh(jitted, args, static):
-  """jitted compiled for args by XLA itself, never handed back by the
-  persistent cache: a program loaded from there serializes into a file that
-  does not run (XLA's CPU runtime, jax 0.10: 'Function ... not found')."""
+# Compilations under way without XLA's persistent cache, on any thread, and
+# whether the cache was on before the first of them.
+_AFRESH = {'count': 0, 'enabled': False}
+_AFRESH_LOCK = threading.Lock()
+
+
+def _persistent_cache(on: bool) -> None:
   # pylint: disable=g-import-not-at-top
   import jax
   from jax.experimental.compilation_cache import compilation_cache
   # pylint: enable=g-import-not-at-top
-  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', on)
   # The cache decides once per process whether it is on: reset, it asks again.
-  jax.config.update('jax_enable_compilation_cache', False)
   compilation_cache.reset_cache()
+
+
+def _compile_afresh(jitted, args, static):
+  """jitted compiled for args by XLA itself, never handed back by the
+  persistent cache: a program loaded from there serializes into a file that
+  does not run (XLA's CPU runtime, jax 0.10: 'Function ... not found').
+  Two threads may compile at once (`Executables.ahead`): the cache is off
+  from the first one's start to the last one's end."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with _AFRESH_LOCK:
+    if not _AFRESH['count']:
+      _AFRESH['enabled'] = jax.config.jax_enable_compilation_cache
+      _persistent_cache(False)
+    _AFRESH['count'] += 1
   try:
     return jitted.lower(*args, **static).compile()
   finally:
-    jax.config.update('jax_enable_compilation_cache', enabled)
-    compilation_cache.reset_cache()
+    with _AFRESH_LOCK:
+      _AFRESH['count'] -= 1
+      if not _AFRESH['count']:
+        _persistent_cache(_AFRESH['enabled'])
 
 
 class Executables:
@@ -165,6 +184,11 @@ class Executables:
   compiled again for this one, and a file that does not load is compiled
   again, each with one line to `note`. Each program written prunes the
   folder to max_bytes (`prune`); each loaded is marked as used.
+
+  `ahead` compiles a program that a later call will need on a thread of its
+  own, beside whatever the process does meanwhile: XLA's compiler keeps
+  about one core busy, so a process that must compile two programs (the
+  translate command's stages) compiles them at once.
   """
 
   def __init__(self, directory: str,
@@ -175,12 +199,52 @@ class Executables:
     self._max_bytes = max_bytes
     self._code = _code_digest()
     self._environment = _environment()
+    self._ahead: dict[str, list[threading.Thread]] = {}
+
+  def _call_path(self, name: str, args, static) -> tuple[str, str]:
+    """(the program's digest, its file) for a call with args and static."""
+    program = _digest(self._code, name, sorted(static.items()),
+                      _signature(args))
+    return program, self._path(name, program, _digest(self._environment))
+
+  def has(self, name: str, *args, **static) -> bool:
+    """Whether the call's program is loaded in this process or kept in the
+    folder, so that calling it compiles nothing (unless the file turns out
+    not to load)."""
+    _, path = self._call_path(name, args, static)
+    return path in _IN_PROCESS or os.path.exists(path)
+
+  def ahead(self, name: str, jitted, arguments: Callable[[], tuple],
+            **static) -> None:
+    """Starts compiling, on a thread of its own, the program of a later call
+    self(name, jitted, *arguments(), **static); that call waits for it
+    instead of compiling. arguments() runs on that thread too and gives the
+    call's arguments or their jax.ShapeDtypeStructs (shapes, dtypes,
+    placements). Where the program is loaded or kept already, or the
+    arguments do not match the call's, nothing is gained or lost: the call
+    does what it would have done."""
+    def compile_ahead():
+      try:
+        args = arguments()
+        _, path = self._call_path(name, args, static)
+        if path in _IN_PROCESS or os.path.exists(path):
+          return
+        compiled = _compile_afresh(jitted, args, static)
+        _IN_PROCESS.setdefault(path, compiled)
+        self._write(name, path, compiled)
+      except Exception:  # pylint: disable=broad-except
+        pass  # the call compiles it, as it would have without this
+    # Not a daemon: a process that ends first waits for the compiler, whose
+    # program is then kept for the next one.
+    thread = threading.Thread(target=compile_ahead, name=f'ahead {name}')
+    self._ahead.setdefault(name, []).append(thread)
+    thread.start()
 
   def __call__(self, name: str, jitted, *args, **static):
     import jax  # pylint: disable=g-import-not-at-top
-    program = _digest(self._code, name, sorted(static.items()),
-                      _signature(args))
-    path = self._path(name, program, _digest(self._environment))
+    for thread in self._ahead.pop(name, ()):
+      thread.join()
+    program, path = self._call_path(name, args, static)
     if path in _IN_PROCESS:
       return _IN_PROCESS[path](*args)
     compiled = self._load(name, program, path)

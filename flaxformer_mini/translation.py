@@ -14,6 +14,7 @@ let the command refuse a search that cannot fit.
 """
 
 import dataclasses
+import functools
 import os
 import resource
 
@@ -230,6 +231,22 @@ def _put_rows(mesh: Mesh, rows):
   return jax.device_put(rows, NamedSharding(mesh, _ROWS))
 
 
+def _later_stage_arguments(params, src, first: dict, rows: int, mesh: Mesh):
+  """The arguments of the later stage that follows
+  _jit_first_stage(params, src, **first), `rows` items per device, as shapes:
+  (params, their sources, the first stage's state, the items kept)."""
+  def on_rows(shape, dtype, weak_type=False):
+    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type,
+                                sharding=NamedSharding(mesh, _ROWS))
+  state = jax.eval_shape(functools.partial(_jit_first_stage, **first),
+                         params, src)
+  rows *= mesh.devices.size
+  return (params, on_rows((rows,) + src.shape[1:], src.dtype),
+          jax.tree.map(lambda s: on_rows(s.shape, s.dtype, s.weak_type),
+                       state),
+          on_rows((rows,), jnp.int32))
+
+
 def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                            beam_size: int, alpha: float, max_len: int,
                            shrink: bool, finished_first: bool, stopping: str,
@@ -253,9 +270,20 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                 finished_first=finished_first, stopping=stopping,
                 grow_cache=grow_cache)
   next_rows = _next_rows(rows) if shrink else 0
-  state = programs('first_stage', _jit_first_stage, params,
-                   _put_rows(mesh, src), beam_size=beam_size,
-                   max_len=max_len, until_searching=next_rows, **search)
+  first = dict(beam_size=beam_size, max_len=max_len,
+               until_searching=next_rows, **search)
+  on_devices = _put_rows(mesh, src)
+  if (next_rows and devices > 1 and hasattr(programs, 'ahead') and
+      not programs.has('first_stage', params, on_devices, **first)):
+    # A process that compiles the first stage compiles the later one too:
+    # both at once (the first stage's tracing and compiling beside it). Not
+    # on one device, where XLA may give the first stage's state either of
+    # two equivalent placements, so the later stage's call is not foreseen.
+    programs.ahead('later_stage', _jit_later_stage, functools.partial(
+        _later_stage_arguments, params, on_devices, first, next_rows, mesh),
+                   until_searching=_next_rows(next_rows), **search)
+  state = programs('first_stage', _jit_first_stage, params, on_devices,
+                   **first)
   while True:
     # Copied whole, sliced on the host: no eager op to compile per shape.
     finished = np.asarray(state.finished_sequences)[:, 0, 1:]

@@ -167,3 +167,69 @@ def test_the_key_names_what_a_program_only_runs_under():
   environment = compilation_cache._environment()  # pylint: disable=protected-access
   for part in ('jax ', 'jaxlib ', 'cpu', 'XLA_FLAGS=', 'Python '):
     assert part in environment
+
+
+# One process of two devices: translates sources of many lengths through a
+# store on FOLDER, in stages, and again without it; prints which programs it
+# compiled on which thread, and what it called.
+_STAGES = '''
+import json, sys, threading
+import jax, numpy as np
+from flaxformer_mini import compilation_cache, translation
+from flaxformer_mini.config import get_config
+from flaxformer_mini.training import init_params
+assert jax.local_device_count() == 2, jax.devices()
+cfg = get_config('toy')
+params = init_params(cfg, jax.random.key(0))
+rng = np.random.default_rng(0)
+sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                        size=n).tolist() for n in rng.integers(1, 9, 64)]
+compiled, called = [], []
+afresh = compilation_cache._compile_afresh
+def logged(jitted, args, static):
+  compiled.append([jitted.__name__, threading.current_thread().name])
+  return afresh(jitted, args, static)
+compilation_cache._compile_afresh = logged
+call = compilation_cache.Executables.__call__
+def counted(self, name, *args, **static):
+  called.append(name)
+  return call(self, name, *args, **static)
+compilation_cache.Executables.__call__ = counted
+ahead = compilation_cache.Executables.ahead
+def counted_ahead(self, name, *args, **static):
+  called.append('ahead ' + name)
+  return ahead(self, name, *args, **static)
+compilation_cache.Executables.ahead = counted_ahead
+store = compilation_cache.Executables(sys.argv[1])
+cache_on = jax.config.jax_enable_compilation_cache
+translate = lambda executables: translation.translate_ids(
+    params, cfg, sources, beam_size=2, batch_size=32, stopping='exact',
+    executables=executables)
+report = {'same': translate(store) == translate(None),
+          'compiled': sorted(compiled), 'called': called[:],
+          'cache_restored': jax.config.jax_enable_compilation_cache == cache_on}
+del compiled[:], called[:]
+translate(store)  # its programs at hand: nothing compiled, nothing ahead
+print(json.dumps({**report, 'again': [compiled, called]}))
+'''
+
+
+def test_a_process_compiles_the_later_stage_beside_the_first(tmp_path):
+  """The translate command's store compiles the later stage of its search on
+  a thread of its own while the first stage compiles (about 1.7 s of the
+  test set's 19 s cold, docs/performance.md), and the search calls that
+  program: one compile each, the same translations, both kept."""
+  result = subprocess.run(
+      [sys.executable, '-c', _STAGES, str(tmp_path)], capture_output=True,
+      text=True, cwd=ROOT, timeout=600,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu',
+           'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.splitlines()[-1])
+  assert report['same'] and report['cache_restored']
+  assert report['called'] == ['ahead later_stage', 'first_stage',
+                              'later_stage']
+  assert report['compiled'] == [['_first_stage', 'MainThread'],
+                                ['_later_stage', 'ahead later_stage']]
+  assert report['again'] == [[], ['first_stage', 'later_stage']]
+  assert len(os.listdir(tmp_path)) == 2
