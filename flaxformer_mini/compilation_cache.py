@@ -220,9 +220,10 @@ class Executables:
     self(name, jitted, *arguments(), **static); that call waits for it
     instead of compiling. arguments() runs on that thread too and gives the
     call's arguments or their jax.ShapeDtypeStructs (shapes, dtypes,
-    placements). Where the program is loaded or kept already, or the
-    arguments do not match the call's, nothing is gained or lost: the call
-    does what it would have done."""
+    placements). Where the program is loaded or kept already, nothing is
+    compiled; where the arguments do not match the call's, or anything on
+    that thread fails, only its work is lost: the call compiles, as it
+    would have."""
     def compile_ahead():
       try:
         args = arguments()
