@@ -546,7 +546,8 @@ def start_beam_search(cache, *, batch_size: int, beam_size: int, max_len: int,
 def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
                     alpha: float, bos_id: int, eos_id: int, pad_id: int,
                     until_searching: int = 0, n_best: int = 1,
-                    finished_first: bool = True, stopping: str = 'current_length',
+                    finished_first: bool = True,
+                    stopping: str = 'current_length',
                     on_step: Callable[[BeamState], None] | None = None,
                     windows: CacheWindows | None = None) -> BeamState:
   """Beam search steps from `state` until no item is still searching.

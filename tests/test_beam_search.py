@@ -511,7 +511,8 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
                                     batch_size=32, stopping='exact')
   assert taken and set(taken) == {8}  # some left their batch of 32
   alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
-                                  batch_size=1, stopping='exact')[0] for ids in sources]
+                                  batch_size=1, stopping='exact')[0]
+           for ids in sources]
   assert together == alone
   assert translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                 batch_size=32, shrink_batches=False,

@@ -31,7 +31,8 @@ def test_a_file_cut_short_is_fetched_again(tmp_path, monkeypatch):
   assert sorted(multi30k.download(str(tmp_path))) == sorted(multi30k.SHA256)
   assert multi30k.missing(str(tmp_path)) == []
   assert multi30k.download(str(tmp_path)) == []  # whole files are kept
-  assert not [name for name in os.listdir(tmp_path) if name.endswith(disk.PARTIAL)]
+  assert not [name for name in os.listdir(tmp_path)
+              if name.endswith(disk.PARTIAL)]
 
 
 def test_no_internet_is_one_clear_error(tmp_path, monkeypatch):
