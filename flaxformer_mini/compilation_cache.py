@@ -125,6 +125,17 @@ def _environment() -> str:
           f'Python {sys.version_info.major}.{sys.version_info.minor}')
 
 
+def _placement(leaf) -> str:
+  """Where an argument lies. On one device every placement is the same one,
+  which XLA may name in more than one way (a split over a mesh of one device,
+  or none), and a program compiled for one runs with the others."""
+  sharding = getattr(leaf, 'sharding', None)
+  if sharding is None or len(sharding.device_set) > 1:
+    return str(sharding or '')
+  [device] = sharding.device_set
+  return f'{device} ({sharding.memory_kind})'
+
+
 def _signature(tree) -> str:
   """The structure, shapes, dtypes and placements of a call's arguments."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -132,7 +143,7 @@ def _signature(tree) -> str:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return repr((str(treedef), [
       (np.shape(leaf), str(getattr(leaf, 'dtype', type(leaf))),
-       getattr(leaf, 'weak_type', False), str(getattr(leaf, 'sharding', '')))
+       getattr(leaf, 'weak_type', False), _placement(leaf))
       for leaf in leaves]))
 
 

@@ -273,12 +273,10 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
   first = dict(beam_size=beam_size, max_len=max_len,
                until_searching=next_rows, **search)
   on_devices = _put_rows(mesh, src)
-  if (next_rows and devices > 1 and hasattr(programs, 'ahead') and
+  if (next_rows and hasattr(programs, 'ahead') and
       not programs.has('first_stage', params, on_devices, **first)):
     # A process that compiles the first stage compiles the later one too:
-    # both at once (the first stage's tracing and compiling beside it). Not
-    # on one device, where XLA may give the first stage's state either of
-    # two equivalent placements, so the later stage's call is not foreseen.
+    # both at once (the first stage's tracing and compiling beside it).
     programs.ahead('later_stage', _jit_later_stage, functools.partial(
         _later_stage_arguments, params, on_devices, first, next_rows, mesh),
                    until_searching=_next_rows(next_rows), **search)
