@@ -184,6 +184,11 @@ def _compile_afresh(jitted, args, static):
         _persistent_cache(_AFRESH['enabled'])
 
 
+def _at_hand(path: str) -> bool:
+  """Whether the program of `path` is loaded in this process or kept there."""
+  return path in _IN_PROCESS or os.path.exists(path)
+
+
 class Executables:
   """A jitted function's compiled programs, loaded from `directory` where a
   process (this one or an earlier one) compiled them for the same code,
@@ -222,8 +227,7 @@ class Executables:
     """Whether the call's program is loaded in this process or kept in the
     folder, so that calling it compiles nothing (unless the file turns out
     not to load)."""
-    _, path = self._call_path(name, args, static)
-    return path in _IN_PROCESS or os.path.exists(path)
+    return _at_hand(self._call_path(name, args, static)[1])
 
   def ahead(self, name: str, jitted, arguments: Callable[[], tuple],
             **static) -> None:
@@ -239,7 +243,7 @@ class Executables:
       try:
         args = arguments()
         _, path = self._call_path(name, args, static)
-        if path in _IN_PROCESS or os.path.exists(path):
+        if _at_hand(path):
           return
         compiled = _compile_afresh(jitted, args, static)
         _IN_PROCESS.setdefault(path, compiled)

@@ -19,6 +19,8 @@ CHOICES = {'dtype': DTYPES}
 # When a sentence's beam search ends (search.beam_search says how each
 # decides); not a switch of the model, so not in CHOICES.
 STOPPING_RULES = ('exact', 'beam_finished', 'current_length')
+# The library's and a new run's rule (eval_stopping below says why).
+DEFAULT_STOPPING = 'current_length'
 
 
 class ConfigError(ValueError):
@@ -119,7 +121,7 @@ class TransformerConfig:
   # (benchmarks/stopping_rules.py, docs/performance.md "Stopping rules").
   # A run saved before this field existed decoded with 'exact' and keeps it
   # (checkpoints.saved_config).
-  eval_stopping: str = 'current_length'
+  eval_stopping: str = DEFAULT_STOPPING
 
   def __post_init__(self):
     positive = ('src_vocab_size', 'tgt_vocab_size', 'num_encoder_layers',

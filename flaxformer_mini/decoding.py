@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini.config import TransformerConfig
+from flaxformer_mini.config import DEFAULT_STOPPING, TransformerConfig
 from flaxformer_mini.masks import padding_mask
 from flaxformer_mini.model import Transformer
 from flaxformer_mini.search import (BeamSearchResult, BeamState,
@@ -303,7 +303,7 @@ def _cut_at_limits(tokens, limits, pad_id: int):
 def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
                 alpha: float = 0.6, max_len: int | None = None,
                 n_best: int = 1, finished_first: bool = True,
-                stopping: str = 'current_length',
+                stopping: str = DEFAULT_STOPPING,
                 on_step: Callable[[BeamState], None] | None = None,
                 grow_cache: bool = False) -> BeamSearchResult:
   """Beam search translation of a batch with Transformer(config) and `params`.

@@ -28,7 +28,7 @@ import jax.export
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_mini.config import STOPPING_RULES
+from flaxformer_mini.config import DEFAULT_STOPPING, STOPPING_RULES
 
 # (int32[rows, 1] the last tokens, cache) -> (float[rows, vocab] logits, cache)
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -393,7 +393,8 @@ def _gather_cache(cache, beam_indices):
 def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,
                 beam_size: int, max_len: int, alpha: float, bos_id: int,
                 eos_id: int, pad_id: int, n_best: int = 1,
-                finished_first: bool = True, stopping: str = 'current_length',
+                finished_first: bool = True,
+                stopping: str = DEFAULT_STOPPING,
                 on_step: Callable[[BeamState], None] | None = None,
                 windows: CacheWindows | None = None,
                 limits=None) -> BeamSearchResult:
@@ -547,7 +548,7 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
                     alpha: float, bos_id: int, eos_id: int, pad_id: int,
                     until_searching: int = 0, n_best: int = 1,
                     finished_first: bool = True,
-                    stopping: str = 'current_length',
+                    stopping: str = DEFAULT_STOPPING,
                     on_step: Callable[[BeamState], None] | None = None,
                     windows: CacheWindows | None = None) -> BeamState:
   """Beam search steps from `state` until no item is still searching.
@@ -673,7 +674,7 @@ def fill_slots(state: BeamState, slots, cache, context, *, bos_id: int,
 def run_slots(tokens_to_logits, state: BeamState, *, until_done,
               alpha: float, bos_id: int, eos_id: int, pad_id: int,
               n_best: int = 1, finished_first: bool = True,
-              stopping: str = 'current_length') -> BeamState:
+              stopping: str = DEFAULT_STOPPING) -> BeamState:
   """Steps every slot's search until at least `until_done` slots are done.
 
   tokens_to_logits: (int32[slots * beams, 1] last tokens, cache, context)
