@@ -163,20 +163,25 @@ def _persistent_cache(on: bool) -> None:
   compilation_cache.reset_cache()
 
 
-def _compile_afresh(jitted, args, static):
+def _compile_afresh(jitted, args, static,
+                    traced: Callable[[Any], None] = lambda out: None):
   """jitted compiled for args by XLA itself, never handed back by the
   persistent cache: a program loaded from there serializes into a file that
   does not run (XLA's CPU runtime, jax 0.10: 'Function ... not found').
   Two threads may compile at once (`Executables.ahead`): the cache is off
-  from the first one's start to the last one's end."""
+  from the first one's start to the last one's end. traced(the program's
+  result as jax.ShapeDtypeStructs) is called once it is traced, before it
+  is lowered and compiled."""
   import jax  # pylint: disable=g-import-not-at-top
+  program = jitted.trace(*args, **static)
+  traced(program.out_info)
   with _AFRESH_LOCK:
     if not _AFRESH['count']:
       _AFRESH['enabled'] = jax.config.jax_enable_compilation_cache
       _persistent_cache(False)
     _AFRESH['count'] += 1
   try:
-    return jitted.lower(*args, **static).compile()
+    return program.lower().compile()
   finally:
     with _AFRESH_LOCK:
       _AFRESH['count'] -= 1
@@ -216,6 +221,8 @@ class Executables:
     self._code = _code_digest()
     self._environment = _environment()
     self._ahead: dict[str, list[threading.Thread]] = {}
+    # Compiles to start once a program is traced: its name -> the starters.
+    self._after: dict[str, list[Callable[[Any], None]]] = {}
 
   def _call_path(self, name: str, args, static) -> tuple[str, str]:
     """(the program's digest, its file) for a call with args and static."""
@@ -223,25 +230,24 @@ class Executables:
                       _signature(args))
     return program, self._path(name, program, _digest(self._environment))
 
-  def has(self, name: str, *args, **static) -> bool:
-    """Whether the call's program is loaded in this process or kept in the
-    folder, so that calling it compiles nothing (unless the file turns out
-    not to load)."""
-    return _at_hand(self._call_path(name, args, static)[1])
+  def ahead(self, name: str, jitted, arguments: Callable[[Any], tuple], *,
+            after: str, **static) -> None:
+    """Once this process's next call of program `after` has traced it to
+    compile it, compiles on a thread of its own the program of a later call
+    self(name, jitted, *args, **static), beside `after`'s lowering and
+    compiling; that later call waits for it instead of compiling.
 
-  def ahead(self, name: str, jitted, arguments: Callable[[], tuple],
-            **static) -> None:
-    """Starts compiling, on a thread of its own, the program of a later call
-    self(name, jitted, *arguments(), **static); that call waits for it
-    instead of compiling. arguments() runs on that thread too and gives the
-    call's arguments or their jax.ShapeDtypeStructs (shapes, dtypes,
-    placements). Where the program is loaded or kept already, nothing is
-    compiled; where the arguments do not match the call's, or anything on
-    that thread fails, only its work is lost: the call compiles, as it
-    would have."""
-    def compile_ahead():
+    arguments(`after`'s result as jax.ShapeDtypeStructs) runs on that thread
+    and gives args or their jax.ShapeDtypeStructs (shapes, dtypes,
+    placements): foreseen from `after`'s trace, not by tracing `after` once
+    more. Where the call of `after` compiles nothing (its program loaded),
+    nothing is compiled ahead. Where the program is at hand already, nothing
+    is compiled; where the arguments do not match the later call's, or
+    anything on that thread fails, only its work is lost: the call
+    compiles, as it would have."""
+    def compile_ahead(result):
       try:
-        args = arguments()
+        args = arguments(result)
         _, path = self._call_path(name, args, static)
         if _at_hand(path):
           return
@@ -250,16 +256,20 @@ class Executables:
         self._write(name, path, compiled)
       except Exception:  # pylint: disable=broad-except
         pass  # the call compiles it, as it would have without this
-    # Not a daemon: a process that ends first waits for the compiler, whose
-    # program is then kept for the next one.
-    thread = threading.Thread(target=compile_ahead, name=f'ahead {name}')
-    self._ahead.setdefault(name, []).append(thread)
-    thread.start()
+    def start(result):
+      # Not a daemon: a process that ends first waits for the compiler,
+      # whose program is then kept for the next one.
+      thread = threading.Thread(target=compile_ahead, args=(result,),
+                                name=f'ahead {name}')
+      self._ahead.setdefault(name, []).append(thread)
+      thread.start()
+    self._after.setdefault(after, []).append(start)
 
   def __call__(self, name: str, jitted, *args, **static):
     import jax  # pylint: disable=g-import-not-at-top
     for thread in self._ahead.pop(name, ()):
       thread.join()
+    starters = self._after.pop(name, [])  # started only where this compiles
     program, path = self._call_path(name, args, static)
     if path in _IN_PROCESS:
       return _IN_PROCESS[path](*args)
@@ -274,7 +284,9 @@ class Executables:
           raise
         self._note(f'the compiled {name} in {path} did not run '
                    f'({str(e).splitlines()[0][:80]}); compiling it again.')
-    compiled = _IN_PROCESS[path] = _compile_afresh(jitted, args, static)
+    compiled = _IN_PROCESS[path] = _compile_afresh(
+        jitted, args, static,
+        traced=lambda result: [start(result) for start in starters])
     self._write(name, path, compiled)
     return compiled(*args)
 

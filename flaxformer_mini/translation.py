@@ -231,15 +231,14 @@ def _put_rows(mesh: Mesh, rows):
   return jax.device_put(rows, NamedSharding(mesh, _ROWS))
 
 
-def _later_stage_arguments(params, src, first: dict, rows: int, mesh: Mesh):
-  """The arguments of the later stage that follows
-  _jit_first_stage(params, src, **first), `rows` items per device, as shapes:
-  (params, their sources, the first stage's state, the items kept)."""
+def _later_stage_arguments(params, src, rows: int, mesh: Mesh, state):
+  """The arguments of the later stage that follows a first stage on `src`,
+  `rows` items per device, as shapes: (params, their sources, the first
+  stage's state, the items kept); state: the first stage's result as
+  jax.ShapeDtypeStructs."""
   def on_rows(shape, dtype, weak_type=False):
     return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type,
                                 sharding=NamedSharding(mesh, _ROWS))
-  state = jax.eval_shape(functools.partial(_jit_first_stage, **first),
-                         params, src)
   rows *= mesh.devices.size
   return (params, on_rows((rows,) + src.shape[1:], src.dtype),
           jax.tree.map(lambda s: on_rows(s.shape, s.dtype, s.weak_type),
@@ -273,13 +272,14 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
   first = dict(beam_size=beam_size, max_len=max_len,
                until_searching=next_rows, **search)
   on_devices = _put_rows(mesh, src)
-  if (next_rows and hasattr(programs, 'ahead') and
-      not programs.has('first_stage', params, on_devices, **first)):
+  if next_rows and hasattr(programs, 'ahead'):
     # A process that compiles the first stage compiles the later one too:
-    # both at once (the first stage's tracing and compiling beside it).
+    # both at once (the later one's tracing and compiling beside the first
+    # one's lowering and compiling).
     programs.ahead('later_stage', _jit_later_stage, functools.partial(
-        _later_stage_arguments, params, on_devices, first, next_rows, mesh),
-                   until_searching=_next_rows(next_rows), **search)
+        _later_stage_arguments, params, on_devices, next_rows, mesh),
+                   after='first_stage', until_searching=_next_rows(next_rows),
+                   **search)
   state = programs('first_stage', _jit_first_stage, params, on_devices,
                    **first)
   while True:
