@@ -249,11 +249,11 @@ def _later_stage_arguments(params, src, rows: int, mesh: Mesh, state):
 def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                            beam_size: int, alpha: float, max_len: int,
                            shrink: bool, finished_first: bool, stopping: str,
-                           grow_cache: bool, mesh: Mesh,
-                           programs=_just_jit) -> np.ndarray:
+                           grow_cache: bool, mesh: Mesh, programs=_just_jit):
   """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
 
-  One beam search in stages, its rows split over the devices of `mesh`:
+  A search of `_one_batch_ahead`: it yields each time it has called a
+  stage's program, and returns the result. One beam search in stages, its rows split over the devices of `mesh`:
   once no more than a quarter of a device's items are still searching,
   its finished ones are collected and the rest go on alone in a batch a
   quarter the size, so sentences that end early stop paying for the
@@ -282,6 +282,7 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                    **search)
   state = programs('first_stage', _jit_first_stage, params, on_devices,
                    **first)
+  yield
   while True:
     # Copied whole, sliced on the host: no eager op to compile per shape.
     finished = np.asarray(state.finished_sequences)[:, 0, 1:]
@@ -304,6 +305,7 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                      _put_rows(mesh, src[owner]), state,
                      _put_rows(mesh, keep.astype(np.int32)),
                      until_searching=next_rows, **search)
+    yield
 
 
 def search_in_slots(fill, advance, count: int, slots: int,
@@ -424,18 +426,56 @@ def _length_batches(config: TransformerConfig, sources: list[list[int]],
 
 
 def _draw(params, src, members: list, config: TransformerConfig,
-          sampling: Sampling, mesh: Mesh, programs) -> np.ndarray:
-  """sample_decode with each member's own key: -> int32[rows, n, max_len]."""
+          sampling: Sampling, mesh: Mesh, programs):
+  """sample_decode with each member's own key: -> int32[rows, n, max_len],
+  a search of `_one_batch_ahead`."""
   # Filler rows repeat the batch's first source (row 0), as
   # _length_batches fills them.
   rows = [members[0] if member is None else member for member in members]
   keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.key(sampling.seed), jnp.asarray(rows, jnp.uint32))
-  return np.asarray(programs(
+  drawn = programs(
       'sample', _jit_sample, params, _put_rows(mesh, src),
       _put_rows(mesh, keys), jnp.float32(sampling.temperature),
       jnp.float32(sampling.top_p), mesh=mesh, config=config,
-      num_samples=sampling.num_samples, top_k=sampling.top_k))
+      num_samples=sampling.num_samples, top_k=sampling.top_k)
+  yield
+  return np.asarray(drawn)
+
+
+def _one_batch_ahead(batches):
+  """(members, result) for each (members, search) of `batches`, in order.
+
+  A search is a generator that yields each time it has called a program
+  (JAX runs it on the devices meanwhile) and returns its batch's result.
+  Each batch's search is started, its first program queued behind the
+  work already there, before the one before it waits on the devices: while
+  the host reads a stage's result and prepares the next stage, the devices
+  search the next batch instead of waiting (and a cold process's later
+  stage has one batch's search more to finish compiling). Two batches'
+  searches are held at once.
+  """
+  batches = iter(batches)
+
+  def started():  # (members, the search or None, its result or None)
+    for members, search in batches:
+      try:
+        next(search)
+        return members, search, None
+      except StopIteration as done:  # searched without a program to wait on
+        return members, None, done.value
+    return None
+
+  following = started()
+  while following:
+    members, search, result = following
+    following = started()
+    while search is not None:
+      try:
+        next(search)
+      except StopIteration as done:
+        search, result = None, done.value
+    yield members, result
 
 
 def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
@@ -497,9 +537,8 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   params = jax.device_put(params, NamedSharding(mesh, P()))
   # In slots the sources are one batch: one shape, 3 programs.
   count = sum(1 for ids in sources if len(ids))
-  for members, src in _length_batches(
-      config, sources, max(count, 1) if in_slots else batch_size,
-      len(devices)):
+
+  def search(members, src):  # a search of _one_batch_ahead
     max_len = default_max_len(config, src.shape[1])
     if in_slots:
       best = _beam_search_in_slots(
@@ -507,16 +546,23 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
           min(batch_size, -(-len(src) // 8) * 8), finished_first, stopping,
           programs)
     elif sampling:
-      best = _draw(params, src, members, config, sampling, mesh, programs)
+      best = yield from _draw(params, src, members, config, sampling, mesh,
+                              programs)
     elif beam_size == 1:
-      best = np.asarray(programs('greedy', _jit_greedy, params,
-                                 _put_rows(mesh, src), mesh=mesh,
-                                 config=config))
+      best = programs('greedy', _jit_greedy, params, _put_rows(mesh, src),
+                      mesh=mesh, config=config)
+      yield
+      best = np.asarray(best)
     else:
-      best = _beam_search_in_stages(params, src, config, beam_size, alpha,
-                                    max_len, shrink_batches, finished_first,
-                                    stopping, grow_cache, mesh, programs)
-    best = best.reshape(len(src), draws, max_len)
+      best = yield from _beam_search_in_stages(
+          params, src, config, beam_size, alpha, max_len, shrink_batches,
+          finished_first, stopping, grow_cache, mesh, programs)
+    return best.reshape(len(src), draws, max_len)
+
+  for members, best in _one_batch_ahead(
+      (members, search(members, src)) for members, src in _length_batches(
+          config, sources, max(count, 1) if in_slots else batch_size,
+          len(devices))):
     for row, i in enumerate(members):
       for draw in range(draws if i is not None else 0):
         outputs[i * draws + draw] = tokens_before_eos(

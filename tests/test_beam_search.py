@@ -337,6 +337,28 @@ def test_a_window_that_runs_no_step_is_never_copied():
   assert int(whole.step) == 11 and taken == [10]  # window 9 behind it
 
 
+def test_each_batch_is_queued_before_the_one_before_it_waits():
+  """translate_ids' batches: the next batch's first program is called before
+  the host waits on the stages of the batch before it (the devices search
+  on meanwhile), and the results come back in order, a batch searched
+  without a program to wait on included."""
+  events = []
+
+  def batch(name, stages):
+    for stage in range(stages):
+      events.append(f'{name} calls stage {stage}')
+      yield
+    return name.upper()
+
+  for members, result in translation._one_batch_ahead(  # pylint: disable=protected-access
+      [('a', batch('a', 2)), ('b', batch('b', 2)), ('c', batch('c', 0)),
+       ('d', batch('d', 1))]):
+    events.append(f'{members}: {result}')
+  assert events == ['a calls stage 0', 'b calls stage 0', 'a calls stage 1',
+                    'a: A', 'b calls stage 1', 'b: B', 'd calls stage 0',
+                    'c: C', 'd: D']
+
+
 def _in_slots(tokens_to_logits, items, *, slots, fill_rows, max_len, ids,
               **search_args):
   """Each item's best hypothesis, searched in `slots` slots refilled as

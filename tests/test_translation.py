@@ -453,6 +453,7 @@ def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
   def search(params, src, config, beam_size, alpha, max_len, shrink,
              finished_first, stopping, grow_cache, mesh, programs):
     searched.append((alpha, stopping))
+    yield  # a search of _one_batch_ahead
     return np.zeros((len(src), max_len), np.int32)
 
   monkeypatch.setattr(translation, '_beam_search_in_stages', search)
