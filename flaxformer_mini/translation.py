@@ -505,6 +505,8 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   has ended leave their batch on the way (`_beam_search_in_stages`): the
   same translations as one stage (shrink_batches=False), 1.4x faster on the
   Multi30k test set once compiled, for a second program per batch shape.
+  Each batch's first stage is called before the host waits on the batch
+  before it (`_one_batch_ahead`), so the devices search on meanwhile.
   beam_size 1 is greedy search; finished_first: see `beam_search`;
   grow_cache: see `beam_decode` (the same translations, 1.6x faster on the
   Multi30k test set, for more loop bodies to compile). refill: search in
