@@ -180,20 +180,22 @@ def _just_jit(name: str, jitted, *args, **static):
 def search_bytes(config: TransformerConfig, batch_size: int,
                  beam_size: int) -> int:
   """About how much device memory a beam search of `batch_size` sources of
-  up to config.max_len tokens takes with `beam_size` beams.
+  up to config.max_len tokens takes with `beam_size` beams, beside the
+  state of the next batch's search (`_one_batch_ahead` holds both).
 
-  Per beam row: the self-attention key/value cache (twice, as it is
-  reordered with the beams), float32 logits, log-probabilities and
-  candidates over the vocabulary, and the live, finished and candidate
-  sequences; per source, the cross-attention keys and values (read by all
-  of its beams).
+  Per beam row: the self-attention key/value cache three times (twice in
+  the search, as it is reordered with the beams; once in the state beside
+  it), float32 logits, log-probabilities and candidates over the
+  vocabulary, and the live, finished and candidate sequences (in both);
+  per source, the cross-attention keys and values (read by all of its
+  beams).
   """
   rows = batch_size * beam_size
   itemsize = jnp.dtype(config.dtype).itemsize
   layer_cache = (config.num_decoder_layers * 2 * config.max_len *
                  config.d_model * itemsize)  # keys and values, every layer
-  per_row = (layer_cache * 2 + 3 * config.tgt_vocab_size * 4 +
-             8 * (config.max_len + 1) * 4)
+  per_row = (layer_cache * 3 + 3 * config.tgt_vocab_size * 4 +
+             2 * 8 * (config.max_len + 1) * 4)
   return rows * per_row + batch_size * layer_cache
 
 
