@@ -284,9 +284,11 @@ class Executables:
           raise
         self._note(f'the compiled {name} in {path} did not run '
                    f'({str(e).splitlines()[0][:80]}); compiling it again.')
-    compiled = _IN_PROCESS[path] = _compile_afresh(
-        jitted, args, static,
-        traced=lambda result: [start(result) for start in starters])
+    def start_ahead(result):  # the compiles waiting on this one's trace
+      for start in starters:
+        start(result)
+    compiled = _IN_PROCESS[path] = _compile_afresh(jitted, args, static,
+                                                   traced=start_ahead)
     self._write(name, path, compiled)
     return compiled(*args)
 

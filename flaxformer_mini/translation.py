@@ -255,13 +255,14 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
   """The best hypothesis of each source: int32[rows, src_len] -> [rows, max_len].
 
   A search of `_one_batch_ahead`: it yields each time it has called a
-  stage's program, and returns the result. One beam search in stages, its rows split over the devices of `mesh`:
-  once no more than a quarter of a device's items are still searching,
-  its finished ones are collected and the rest go on alone in a batch a
-  quarter the size, so sentences that end early stop paying for the
-  slowest one. Each item's result is the one-batch search's (an item's
-  search never looks at another's). shrink=False: one stage. Two programs
-  per source shape: the first stage, and a later one.
+  stage's program, and returns the result. One beam search in stages, its
+  rows split over the devices of `mesh`: once no more than a quarter of a
+  device's items are still searching, its finished ones are collected and
+  the rest go on alone in a batch a quarter the size, so sentences that end
+  early stop paying for the slowest one. Each item's result is the
+  one-batch search's (an item's search never looks at another's).
+  shrink=False: one stage. Two programs per source shape: the first stage,
+  and a later one.
   """
   devices = mesh.devices.size
   best = np.zeros((src.shape[0], max_len), np.int32)

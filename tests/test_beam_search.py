@@ -350,9 +350,9 @@ def test_each_batch_is_queued_before_the_one_before_it_waits():
       yield
     return name.upper()
 
-  for members, result in translation._one_batch_ahead(  # pylint: disable=protected-access
-      [('a', batch('a', 2)), ('b', batch('b', 2)), ('c', batch('c', 0)),
-       ('d', batch('d', 1))]):
+  batches = [('a', batch('a', 2)), ('b', batch('b', 2)), ('c', batch('c', 0)),
+             ('d', batch('d', 1))]
+  for members, result in translation._one_batch_ahead(batches):  # pylint: disable=protected-access
     events.append(f'{members}: {result}')
   assert events == ['a calls stage 0', 'b calls stage 0', 'a calls stage 1',
                     'a: A', 'b calls stage 1', 'b: B', 'd calls stage 0',
