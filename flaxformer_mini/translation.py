@@ -272,8 +272,6 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                 finished_first=finished_first, stopping=stopping,
                 grow_cache=grow_cache)
   next_rows = _next_rows(rows) if shrink else 0
-  first = dict(beam_size=beam_size, max_len=max_len,
-               until_searching=next_rows, **search)
   on_devices = _put_rows(mesh, src)
   if next_rows and hasattr(programs, 'ahead'):
     # A process that compiles the first stage compiles the later one too:
@@ -284,7 +282,8 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
                    after='first_stage', until_searching=_next_rows(next_rows),
                    **search)
   state = programs('first_stage', _jit_first_stage, params, on_devices,
-                   **first)
+                   beam_size=beam_size, max_len=max_len,
+                   until_searching=next_rows, **search)
   yield
   while True:
     # Copied whole, sliced on the host: no eager op to compile per shape.
