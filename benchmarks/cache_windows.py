@@ -18,17 +18,20 @@ beams), the run's model (without --workdir: the multi30k preset's, random),
 With --workdir (a trained translation run): the test set searched as the
 translate command does (translation.translate_ids), with the cache in
 windows and without, each compiled first, then timed in turns; and how many
-of the 1,000 translations are the same. --write_docs writes the table into
-docs/performance.md.
+of the 1,000 translations are the same. The same for the exported search
+(export.export_search, in windows) against beam_decode exported with its
+whole cache. --write_docs writes the table into docs/performance.md.
 """
 
 import argparse
 import statistics
 
 import jax
+import jax.export
 import jax.numpy as jnp
+import numpy as np
 
-from flaxformer_mini import decoding, search, translation
+from flaxformer_mini import decoding, export, search, translation
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import get_config
 from flaxformer_mini.training import init_params
@@ -135,6 +138,65 @@ def test_set_search(workdir: str, data_dir: str, rounds: int) -> dict:
               outputs['windows'], outputs['whole cache']))}
 
 
+def _padded_batches(sources: list[list[int]], config, size: int = 64):
+  """The sources with eos, in length order, `size` to a batch, each batch
+  padded to its longest rounded up to 16 (the translate command's shapes):
+  -> [(the sources' indices, int32[rows, width])]."""
+  ids = [ids[:config.max_len - 1] + [config.eos_id] for ids in sources]
+  order = np.argsort([len(row) for row in ids], kind='stable')
+  batches = []
+  for start in range(0, len(ids), size):
+    members = order[start:start + size]
+    width = min(-(-max(len(ids[m]) for m in members) // 16) * 16,
+                config.max_len)
+    src = np.full((len(members), width), config.pad_id, np.int32)
+    for row, m in enumerate(members):
+      src[row, :len(ids[m])] = ids[m]
+    batches.append(src)
+  return batches
+
+
+def exported_search(workdir: str, data_dir: str, rounds: int) -> dict:
+  """The exported search (export.export_search: its cache in windows, as
+  long as the positional table) against beam_decode exported as it is
+  (one loop over a cache of src_len + 50), on the test set's batches."""
+  trained = workdir_lib.load_run(workdir)
+  config, vocab = trained.config, trained.tokenizer
+  params = jax.device_get(trained.params)
+  leaves, treedef = jax.tree.flatten(params)
+  lines = translate_command.split_lines(data_dir, config, 'test_2016_flickr')
+  batches = _padded_batches([vocab.encode(line) for line in lines], config)
+
+  def whole_cache(leaves, src):  # -> (tokens,), as the export's first
+    best = decoding.beam_decode(
+        jax.tree.unflatten(treedef, leaves), src, config, beam_size=BEAMS,
+        alpha=config.eval_alpha, stopping=config.eval_stopping)
+    return (best.sequences[:, 0],)
+
+  batch, src_len = jax.export.symbolic_shape(
+      'batch, src_len', constraints=[f'src_len <= {config.max_len}'])
+  exported = {
+      'windows': export.export_search(params, config, beam_size=BEAMS,
+                                      platforms=('cpu',)),
+      'whole cache': jax.export.export(jax.jit(whole_cache),
+                                       platforms=('cpu',))(
+          [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves],
+          jax.ShapeDtypeStruct((batch, src_len), jnp.int32))}
+  runs = {name: (lambda e: lambda: [np.asarray(e.call(leaves, src)[0])
+                                     for src in batches])(e)
+          for name, e in exported.items()}
+  outputs = {name: run() for name, run in runs.items()}  # compiles
+  times = common.interleaved_seconds(runs, rounds)
+  medians = {name: statistics.median(t) for name, t in times.items()}
+  return {'lines': len(lines),
+          'seconds': times,
+          'sentences_per_s': {n: len(lines) / m for n, m in medians.items()},
+          'speedup': medians['whole cache'] / medians['windows'],
+          'same_translations': int(sum(
+              (a == b).all(axis=1).sum() for a, b in zip(
+                  outputs['windows'], outputs['whole cache'])))}
+
+
 def table(result: dict) -> str:
   env = result['environment']
   parts = result['step_parts']
@@ -159,6 +221,16 @@ def table(result: dict) -> str:
               f"rule): {t['sentences_per_s']['windows']:.0f} sentences/s "
               f"with windows, {t['sentences_per_s']['whole cache']:.0f} "
               f"with the whole cache ({t['speedup']:.2f}x); "
+              f"{t['same_translations']:,} of {t['lines']:,} translations "
+              'the same.']
+  if 'exported' in result:
+    t = result['exported']
+    rate = t['sentences_per_s']
+    lines += ['', 'The exported search (`python -m flaxformer_mini.export`) '
+              f"on the same lines, batches of 64: {rate['windows']:.0f} "
+              'sentences/s with its cache in windows, '
+              f"{rate['whole cache']:.0f} with beam_decode's whole cache "
+              f"({t['speedup']:.2f}x); "
               f"{t['same_translations']:,} of {t['lines']:,} translations "
               'the same.']
   return '\n'.join(lines)
@@ -191,6 +263,8 @@ def main():
                                      args.steps, max_len)}
   if args.workdir:
     result['test_set'] = test_set_search(args.workdir, args.data_dir,
+                                         args.rounds)
+    result['exported'] = exported_search(args.workdir, args.data_dir,
                                          args.rounds)
   common.emit(result)
   if args.write_docs:

@@ -240,10 +240,13 @@ def test_the_cache_windows_benchmark_times_step_parts_and_the_test_set(
   test_set = result['test_set']
   assert test_set['lines'] == 30
   assert test_set['same_translations'] == 30  # windows change no output
+  exported = result['exported']
+  assert (exported['lines'], exported['same_translations']) == (30, 30)
   sys.path.insert(0, BENCHMARKS)
   import cache_windows  # pylint: disable=g-import-not-at-top
   table = cache_windows.table(result)
   assert '| step |' in table and '| step, cross-attention per beam |' in table
+  assert 'The exported search' in table
 
 
 @pytest.mark.slow
