@@ -127,15 +127,23 @@ def test_set_search(workdir: str, data_dir: str, rounds: int) -> dict:
   runs = {name: (lambda grow: lambda: translation.translate_ids(
       trained.params, config, sources, grow_cache=grow))(grow)
           for name, grow in (('windows', True), ('whole cache', False))}
+  return _in_turns(runs, rounds, len(lines), lambda a, b: sum(
+      x == y for x, y in zip(a, b)))
+
+
+def _in_turns(runs: dict, rounds: int, lines: int, same) -> dict:
+  """runs['windows'] and runs['whole cache'], each compiled by a first
+  call, then timed in turns; same(a, b): how many translations of the
+  two outputs agree."""
   outputs = {name: run() for name, run in runs.items()}  # compiles
   times = common.interleaved_seconds(runs, rounds)
   medians = {name: statistics.median(t) for name, t in times.items()}
-  return {'lines': len(lines),
+  return {'lines': lines,
           'seconds': times,
-          'sentences_per_s': {n: len(lines) / m for n, m in medians.items()},
+          'sentences_per_s': {n: lines / m for n, m in medians.items()},
           'speedup': medians['whole cache'] / medians['windows'],
-          'same_translations': sum(a == b for a, b in zip(
-              outputs['windows'], outputs['whole cache']))}
+          'same_translations': same(outputs['windows'],
+                                    outputs['whole cache'])}
 
 
 def _padded_batches(sources: list[list[int]], config, size: int = 64):
@@ -185,16 +193,8 @@ def exported_search(workdir: str, data_dir: str, rounds: int) -> dict:
   runs = {name: (lambda e: lambda: [np.asarray(e.call(leaves, src)[0])
                                      for src in batches])(e)
           for name, e in exported.items()}
-  outputs = {name: run() for name, run in runs.items()}  # compiles
-  times = common.interleaved_seconds(runs, rounds)
-  medians = {name: statistics.median(t) for name, t in times.items()}
-  return {'lines': len(lines),
-          'seconds': times,
-          'sentences_per_s': {n: len(lines) / m for n, m in medians.items()},
-          'speedup': medians['whole cache'] / medians['windows'],
-          'same_translations': int(sum(
-              (a == b).all(axis=1).sum() for a, b in zip(
-                  outputs['windows'], outputs['whole cache'])))}
+  return _in_turns(runs, rounds, len(lines), lambda a, b: int(sum(
+      (x == y).all(axis=1).sum() for x, y in zip(a, b))))
 
 
 def table(result: dict) -> str:
