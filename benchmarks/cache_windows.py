@@ -149,8 +149,8 @@ def _in_turns(runs: dict, rounds: int, lines: int, same) -> dict:
 def _padded_batches(sources: list[list[int]], config, size: int = 64):
   """The sources with eos, in length order, `size` to a batch, each batch
   padded to its longest rounded up to 16 (the translate command's shapes):
-  -> [(the sources' indices, int32[rows, width])]."""
-  ids = [ids[:config.max_len - 1] + [config.eos_id] for ids in sources]
+  -> [int32[rows, width]]."""
+  ids = [row[:config.max_len - 1] + [config.eos_id] for row in sources]
   order = np.argsort([len(row) for row in ids], kind='stable')
   batches = []
   for start in range(0, len(ids), size):
@@ -175,7 +175,7 @@ def exported_search(workdir: str, data_dir: str, rounds: int) -> dict:
   lines = translate_command.split_lines(data_dir, config, 'test_2016_flickr')
   batches = _padded_batches([vocab.encode(line) for line in lines], config)
 
-  def whole_cache(leaves, src):  # -> (tokens,), as the export's first
+  def whole_cache(leaves, src):  # a tuple, tokens first, as the export's
     best = decoding.beam_decode(
         jax.tree.unflatten(treedef, leaves), src, config, beam_size=BEAMS,
         alpha=config.eval_alpha, stopping=config.eval_stopping)
