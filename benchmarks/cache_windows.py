@@ -148,7 +148,9 @@ def _in_turns(runs: dict, rounds: int, lines: int, same) -> dict:
 
 def _padded_batches(sources: list[list[int]], config, size: int = 64):
   """The sources with eos, in length order, `size` to a batch, each batch
-  padded to its longest rounded up to 16 (the translate command's shapes):
+  padded to its own longest rounded up to 16 (the translate command pads a
+  whole input to one length, `translation._length_batches`; these are the
+  shapes a program of one's own would call the export with):
   -> [int32[rows, width]]."""
   ids = [row[:config.max_len - 1] + [config.eos_id] for row in sources]
   order = np.argsort([len(row) for row in ids], kind='stable')

@@ -333,7 +333,8 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
     grow_cache: grow the key/value cache in windows (`cache_windows`), as
       the translate command does: the same results up to float rounding,
       1.6x faster on CPU at max_len 66-98, for two or more loop bodies to
-      compile instead of one.
+      compile instead of one. Under jax.export with a symbolic src_len it
+      searches over arrays as long as config.max_len (the export does).
 
   Returns:
     BeamSearchResult: sequences int32[batch, n_best, max_len], scores
@@ -341,14 +342,24 @@ def beam_decode(params, src, config: TransformerConfig, *, beam_size: int = 4,
     bool[batch, n_best].
   """
   check_sizes(beam_size=beam_size)  # before the encoder runs
-  max_len, limits = _output_limits(src, config, max_len)
+  length, limits = _output_limits(src, config, max_len)
+  # A window's length is compared with the arrays' when the program is
+  # built, which a symbolic src_len + 50 (jax.export) cannot answer: there
+  # the arrays are as long as the positional table, each row still limited
+  # by its own limit, and the tokens cut to `length` after.
+  symbolic = grow_cache and limits is not None and not isinstance(length,
+                                                                  int)
+  max_len = config.max_len if symbolic else length
   tokens_to_logits, cache = encoded_for_search(params, src, config, max_len)
-  return beam_search(
+  best = beam_search(
       tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
       max_len=max_len, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id, n_best=n_best,
       finished_first=finished_first, stopping=stopping, on_step=on_step,
       windows=cache_windows(max_len) if grow_cache else None, limits=limits)
+  if symbolic:
+    return best.replace(sequences=best.sequences[..., :length])
+  return best
 
 
 def sample_decode(params, src, config: TransformerConfig, *, rng,

@@ -48,40 +48,28 @@ def export_search(params, config, *, beam_size: int = 4,
   its own source length + 50 tokens, as beam_decode's default.
   batch and src_len are symbolic: one export serves every shape. alpha
   and stopping None: the config's eval_alpha and eval_stopping, as the
-  translate command decodes. The search is beam_decode's with its cache
-  grown in windows, as the command grows it: the same translations.
+  translate command decodes. The search is beam_decode's with
+  grow_cache, its cache grown in windows as the command grows it.
   """
   # pylint: disable=g-import-not-at-top
   import jax
   import jax.export
   import jax.numpy as jnp
   from flaxformer_mini import decoding
-  from flaxformer_mini.search import beam_search
   # pylint: enable=g-import-not-at-top
   alpha = config.eval_alpha if alpha is None else alpha
   stopping = config.eval_stopping if stopping is None else stopping
   leaves, treedef = jax.tree.flatten(params)
 
   def search(leaves, src):
-    # beam_decode's search, with the cache grown in windows as the translate
-    # command grows it (1.34x faster on a CPU on the Multi30k test set,
-    # docs/performance.md, "A cache that grows"). A
-    # window's length must be compared with the arrays' when the program is
-    # built, which a symbolic src_len + 50 cannot answer, so the arrays are
-    # as long as the positional table; each row still stops at its own
-    # source length + 50, and the tokens are cut to beam_decode's length.
-    max_len = config.max_len
-    tokens_to_logits, cache = decoding.encoded_for_search(
-        jax.tree.unflatten(treedef, leaves), src, config, max_len)
-    best = beam_search(
-        tokens_to_logits, cache, batch_size=src.shape[0], beam_size=beam_size,
-        max_len=max_len, alpha=alpha, bos_id=config.bos_id,
-        eos_id=config.eos_id, pad_id=config.pad_id, stopping=stopping,
-        windows=decoding.cache_windows(max_len),
-        limits=decoding.own_limits(src, config, max_len))
-    length = decoding.default_max_len(config, src.shape[1])
-    return (best.sequences[:, 0, :length], best.scores[:, 0],
-            best.lengths[:, 0], best.reached_eos[:, 0])
+    # The cache grown in windows, as the translate command grows it: 1.34x
+    # faster on a CPU on the Multi30k test set (docs/performance.md, "A
+    # cache that grows").
+    best = decoding.beam_decode(
+        jax.tree.unflatten(treedef, leaves), src, config, beam_size=beam_size,
+        alpha=alpha, stopping=stopping, grow_cache=True)
+    return (best.sequences[:, 0], best.scores[:, 0], best.lengths[:, 0],
+            best.reached_eos[:, 0])
 
   batch, src_len = jax.export.symbolic_shape(
       'batch, src_len', constraints=[f'src_len <= {config.max_len}'])
