@@ -11,6 +11,7 @@ Transformer. Translating many sentences on the host (batches by length,
 stages or slots, compiled programs kept per shape) is `translation.py`.
 """
 
+import functools
 from typing import Callable
 
 import jax
@@ -34,15 +35,25 @@ def init_cache(config: TransformerConfig, batch_size: int, max_len: int):
   dtype[batch, heads, max_len, d_k] (dtype: config.dtype), and the
   decoder's position int32[batch], each row's tokens fed so far.
   """
-  model = Transformer(config)
-  dummy_encoded = jnp.zeros((batch_size, 1, config.d_model), config.dtype)
-  dummy_mask = jnp.ones((batch_size, 1, 1, 1), bool)
-  dummy_tokens = jnp.zeros((batch_size, max_len), jnp.int32)
-  shapes = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), dummy_encoded, dummy_mask,
-                         dummy_tokens, incremental=True,
-                         method=Transformer.decode))['cache']
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                      _cache_shapes(config, batch_size, max_len))
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_shapes(config: TransformerConfig, batch_size: int, max_len: int):
+  """init_cache's leaves as jax.ShapeDtypeStructs, from the decoder's own
+  initialisation. Kept per shape: that initialisation traces the whole
+  decoder (a third of a second for the Multi30k model), and a search's
+  program asks for it at every stage it traces."""
+  def initialised(encoded, mask, tokens):
+    return Transformer(config).init(jax.random.key(0), encoded, mask, tokens,
+                                    incremental=True,
+                                    method=Transformer.decode)['cache']
+  return jax.eval_shape(
+      initialised,
+      jax.ShapeDtypeStruct((batch_size, 1, config.d_model), config.dtype),
+      jax.ShapeDtypeStruct((batch_size, 1, 1, 1), bool),
+      jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32))
 
 
 def _is_self_attention_cache(path) -> bool:
@@ -123,6 +134,9 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
         method=Transformer.decode)
     return logits[:, -1], variables['cache']
 
+  # Its logits' shape, [rows, vocab], known without tracing it (search's
+  # checks would trace it apart for that).
+  tokens_to_logits.vocab_size = config.tgt_vocab_size
   return tokens_to_logits
 
 
@@ -171,6 +185,9 @@ def slot_tokens_to_logits(params, config: TransformerConfig, max_len: int):
         mutable=['cache'], method=Transformer.decode)
     return logits[:, -1], variables['cache']
 
+  # Its logits' shape, [rows, vocab], known without tracing it (search's
+  # checks would trace it apart for that).
+  tokens_to_logits.vocab_size = config.tgt_vocab_size
   return tokens_to_logits
 
 

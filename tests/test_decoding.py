@@ -172,6 +172,45 @@ def test_a_client_mistake_is_one_line_naming_it(toy_model, call, message):
     call(cfg, params, src)
 
 
+def test_a_model_that_says_its_vocab_size_is_checked_without_a_trace_apart(
+    toy_model):
+  """The Transformer's tokens_to_logits says its vocabulary: the search's
+  check takes it at its word (one trace of the model fewer in every program
+  that searches), and still refuses an id outside it in one line."""
+  cfg, params, src = toy_model
+  src_mask = padding_mask(src, cfg.pad_id)
+  encoded = Transformer(cfg).apply({'params': params}, src, src_mask,
+                                   method=Transformer.encode)
+  model = decoding.transformer_tokens_to_logits(params, cfg, encoded,
+                                                src_mask)
+  assert model.vocab_size == cfg.tgt_vocab_size
+  traces = []
+
+  def counted(tokens, cache):
+    traces.append(tokens.shape)
+    return model(tokens, cache)
+
+  def search_with(tokens_to_logits, eos_id=cfg.eos_id):
+    return search.beam_search(
+        tokens_to_logits, decoding.init_cache(cfg, src.shape[0], 6),
+        batch_size=src.shape[0], beam_size=2, max_len=6, alpha=0.6,
+        bos_id=cfg.bos_id, eos_id=eos_id, pad_id=cfg.pad_id)
+
+  search_with(counted)  # no vocab_size: traced apart, then the loop's body
+  assert len(traces) == 2
+  counted.vocab_size = model.vocab_size
+  traces.clear()
+  result = search_with(counted)
+  assert len(traces) == 1  # the loop's body alone
+  np.testing.assert_array_equal(
+      result.sequences,
+      decoding.beam_decode(params, src, cfg, beam_size=2, max_len=6).sequences)
+  with pytest.raises(ValueError, match=(
+      r'^eos_id=9: outside the vocabulary of 9 tokens that tokens_to_logits '
+      r'scores\.$')):
+    search_with(model, eos_id=cfg.tgt_vocab_size)
+
+
 def test_every_search_takes_its_sizes_and_ids_by_keyword():
   """Five ints in an order of their own used to pass silently when swapped."""
   import inspect  # pylint: disable=g-import-not-at-top
