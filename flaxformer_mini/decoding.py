@@ -103,6 +103,14 @@ def project_cross_kv(params, config: TransformerConfig, encoded, src_mask):
   return variables['cross_kv']
 
 
+def _saying_vocab_size(tokens_to_logits, config: TransformerConfig):
+  """tokens_to_logits with its logits' width, config.tgt_vocab_size, as an
+  attribute: the searches check the logits' shape from it instead of
+  tracing the model apart for it (`search._check_model`)."""
+  tokens_to_logits.vocab_size = config.tgt_vocab_size
+  return tokens_to_logits
+
+
 def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
                                  src_mask) -> TokensToLogits:
   """The decoder of Transformer(config) as a one-step function with a cache.
@@ -134,10 +142,7 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
         method=Transformer.decode)
     return logits[:, -1], variables['cache']
 
-  # Its logits' shape, [rows, vocab], known without tracing it (search's
-  # checks would trace it apart for that).
-  tokens_to_logits.vocab_size = config.tgt_vocab_size
-  return tokens_to_logits
+  return _saying_vocab_size(tokens_to_logits, config)
 
 
 def slot_cache(params, src, config: TransformerConfig, max_len: int):
@@ -185,10 +190,7 @@ def slot_tokens_to_logits(params, config: TransformerConfig, max_len: int):
         mutable=['cache'], method=Transformer.decode)
     return logits[:, -1], variables['cache']
 
-  # Its logits' shape, [rows, vocab], known without tracing it (search's
-  # checks would trace it apart for that).
-  tokens_to_logits.vocab_size = config.tgt_vocab_size
-  return tokens_to_logits
+  return _saying_vocab_size(tokens_to_logits, config)
 
 
 def check_max_len(config: TransformerConfig, max_len: int) -> None:
