@@ -147,22 +147,16 @@ def _in_turns(runs: dict, rounds: int, lines: int, same) -> dict:
 
 
 def _padded_batches(sources: list[list[int]], config, size: int = 64):
-  """The sources with eos, in length order, `size` to a batch, each batch
-  padded to its own longest rounded up to 16 (the translate command pads a
-  whole input to one length, `translation._length_batches`; these are the
-  shapes a program of one's own would call the export with):
-  -> [int32[rows, width]]."""
-  ids = [row[:config.max_len - 1] + [config.eos_id] for row in sources]
-  order = np.argsort([len(row) for row in ids], kind='stable')
+  """The translate command's batches (`translation._length_batches`: ids and
+  eos, in length order, `size` to a batch), without its filler rows and
+  each cut to its own longest rounded up to 16, where the command pads a
+  whole input to one length: the shapes a program of one's own would call
+  the export with. -> [int32[rows, width]]."""
   batches = []
-  for start in range(0, len(ids), size):
-    members = order[start:start + size]
-    width = min(-(-max(len(ids[m]) for m in members) // 16) * 16,
-                config.max_len)
-    src = np.full((len(members), width), config.pad_id, np.int32)
-    for row, m in enumerate(members):
-      src[row, :len(ids[m])] = ids[m]
-    batches.append(src)
+  for members, src in translation._length_batches(config, sources, size):  # pylint: disable=protected-access
+    src = src[:sum(member is not None for member in members)]
+    longest = int((src != config.pad_id).sum(axis=1).max())
+    batches.append(src[:, :min(-(-longest // 16) * 16, config.max_len)])
   return batches
 
 
