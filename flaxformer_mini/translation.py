@@ -50,10 +50,12 @@ def _start_beams(src, config: TransformerConfig, beam_size: int,
 
 def _run_beams(params, src, state: BeamState, config: TransformerConfig,
                alpha: float, until_searching: int, finished_first: bool,
-               stopping: str, grow_cache: bool) -> BeamState:
+               stopping: str, grow_cache: bool,
+               past_windows: bool = True) -> BeamState:
   """`run_beam_search` with Transformer(config) on the sources src, one row
   per item of `state` (after `take_items`, the sources of the items kept),
-  with grow_cache its cache grown window by window (`cache_windows`).
+  with grow_cache its cache grown window by window (`cache_windows`;
+  past_windows: see `run_beam_search`).
   The encoder runs on src again, once per stage: one pass, cheap next to the
   decoder's steps."""
   tokens_to_logits, _ = encoded_for_search(params, src, config,
@@ -63,7 +65,8 @@ def _run_beams(params, src, state: BeamState, config: TransformerConfig,
       eos_id=config.eos_id, pad_id=config.pad_id,
       until_searching=until_searching, finished_first=finished_first,
       stopping=stopping,
-      windows=cache_windows(state.max_len) if grow_cache else None)
+      windows=cache_windows(state.max_len) if grow_cache else None,
+      past_windows=past_windows)
 
 
 # A batch's rows split over the devices: each searches its own share, on
@@ -83,10 +86,16 @@ def _first_stage(params, src, *, mesh: Mesh, config: TransformerConfig,
                  beam_size: int, max_len: int, **search) -> BeamState:
   """The beam search of the sources src: int32[rows, src_len] from its start
   until, on each device, at most search['until_searching'] of its items are
-  still searching. The state's step is int32[devices], each device's."""
+  still searching, or, where a later stage follows (until_searching > 0), at
+  the end of its cache's last window. The state's step is int32[devices],
+  each device's."""
   def per_device(params, src):
     state = _start_beams(src, config, beam_size, max_len)
-    state = _run_beams(params, src, state, config, **search)
+    # Its loop over the whole cache would cost the compile a loop body (a
+    # cold command 1.8 s, docs/performance.md) for steps that the Multi30k
+    # sets' first stages never reach: a later stage takes them instead.
+    state = _run_beams(params, src, state, config,
+                       past_windows=not search['until_searching'], **search)
     return state.replace(step=state.step[None])
   return _on_devices(per_device, mesh, (P(), _ROWS))(params, src)
 
@@ -262,7 +271,10 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
   early stop paying for the slowest one. Each item's result is the
   one-batch search's (an item's search never looks at another's).
   shrink=False: one stage. Two programs per source shape: the first stage,
-  and a later one.
+  and a later one; a third, the later stage at the first one's width, only
+  where a first stage ends at its cache's last window with more than a
+  quarter of a device's items still searching (runaway hypotheses of a
+  model early in its training).
   """
   devices = mesh.devices.size
   best = np.zeros((src.shape[0], max_len), np.int32)
@@ -295,13 +307,17 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
       return best
     # Each device keeps its own searching items; filler rows repeat one
     # (the same search, the same result), or, on a device whose items have
-    # all ended, an ended one, which takes no step.
+    # all ended, an ended one, which takes no step. More of them than the
+    # next stage's rows (a first stage stopped at its last window) go on at
+    # this width first.
+    searching = (~ended).reshape(devices, rows).sum(axis=1).max()
+    width = next_rows if searching <= next_rows else rows
     keep = np.concatenate([
-        np.resize(np.flatnonzero(~done) if not done.all() else [0], next_rows)
+        np.resize(np.flatnonzero(~done) if not done.all() else [0], width)
         for done in ended.reshape(devices, rows)])
     owner = owner.reshape(devices, rows)[
-        np.repeat(np.arange(devices), next_rows), keep]
-    rows = next_rows
+        np.repeat(np.arange(devices), width), keep]
+    rows = width
     next_rows = _next_rows(rows) if shrink else 0
     state = programs('later_stage', _jit_later_stage, params,
                      _put_rows(mesh, src[owner]), state,

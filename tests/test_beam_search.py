@@ -306,6 +306,17 @@ def test_a_cache_grown_in_windows_gives_the_same_search_and_cache():
   jax.tree.map(np.testing.assert_array_equal, rest,
                search.take_items(whole, jnp.asarray(searching)))
 
+  # Stopped at its last window's end instead (past_windows=False: one loop
+  # body less to compile), it goes on from there as the whole search did.
+  stopped = run(start(), windows=windows, past_windows=False)
+  assert int(stopped.step) == 8 and not np.asarray(stopped.done).all()
+  jax.tree.map(np.testing.assert_array_equal,
+               run(stopped, windows=windows), whole)
+  # Without a window shorter than max_len, it steps over the whole cache.
+  short = dataclasses.replace(windows, lengths=(12,))
+  jax.tree.map(np.testing.assert_array_equal,
+               run(start(), windows=short, past_windows=False), whole)
+
 
 def test_a_window_that_runs_no_step_is_never_copied():
   # Taking a window out of the cache and putting it back is a copy of the
@@ -541,6 +552,40 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
                                 stopping='exact') == alone
 
 
+def test_sentences_still_searching_at_the_first_stage_s_last_window_go_on(
+    toy_config, monkeypatch):
+  """A first stage stops at its cache's last window (48 of the toy's 64
+  positions: its loop over the whole cache is not compiled); an untrained
+  model's sentences run on, more than a quarter of its batch still
+  searching there, and go on at the batch's width, then narrowed: each
+  gets the translation it gets searched alone, and in one stage."""
+  cfg = toy_config
+  params = init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(5)
+  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                          size=n).tolist() for n in rng.integers(1, 7, 32)]
+  steps, taken = [], []
+  first = translation._jit_first_stage  # pylint: disable=protected-access
+  later = translation._jit_later_stage  # pylint: disable=protected-access
+
+  def first_stage(*args, **static):
+    state = first(*args, **static)
+    steps.append(np.asarray(state.step).tolist())
+    return state
+
+  monkeypatch.setattr(translation, '_jit_first_stage', first_stage)
+  monkeypatch.setattr(
+      translation, '_jit_later_stage', lambda params, src, state, keep, **kw: (
+          taken.append(len(keep)), later(params, src, state, keep, **kw))[1])
+  search_all = functools.partial(translation.translate_ids, params, cfg,
+                                 beam_size=2, stopping='exact')
+  together = search_all(sources, batch_size=32)
+  assert steps == [[48]] and taken == [32, 8]
+  alone = [search_all([ids], batch_size=1)[0] for ids in sources]
+  assert together == alone
+  assert search_all(sources, batch_size=32, shrink_batches=False) == alone
+
+
 def test_a_file_s_sentences_share_one_source_length_and_keep_their_own_limits(
     small_copy_config, train_copy_model):
   """translate_ids pads every batch to the file's longest source (one shape:
@@ -700,8 +745,11 @@ _EVERY_DEVICE_SCRIPT = textwrap.dedent('''
     translation._jit_first_stage = first_stage
     later = translation._jit_later_stage
     def later_stage(params, src, state, keep, **static):
-      stages.append(len(keep))
-      return later(params, src, state, keep, **static)
+      state = later(params, src, state, keep, **static)
+      done = np.asarray(state.done).reshape(8, -1)
+      stages.append({'rows': len(keep),
+                     'idle': bool(done.all(1).any() and not done.all())})
+      return state
     translation._jit_later_stage = later_stage
     print(json.dumps({
         'beam': translation.translate_ids(params, cfg, sources, beam_size=2,
@@ -743,10 +791,14 @@ def test_every_device_searches_its_share_and_each_sentence_gets_its_own(
       cwd=ROOT, env=env, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   eight = json.loads(result.stdout.strip().splitlines()[-1])
-  # One batch of 8 x 24 rows, its first stage on all 8 devices, then on in
-  # 8 x 8 rows (each device keeps a quarter of its 24, rounded up to 8),
-  # a device whose items have all ended among them.
-  assert eight['stages'] == [{'devices': 8, 'idle': True}, 64]
+  # One batch of 8 x 24 rows, its first stage on all 8 devices up to its
+  # cache's last window (48 of 64 positions), where more than a quarter of
+  # some device's items still search: on at 8 x 24 rows, then in 8 x 8
+  # (each device keeps a quarter of its 24, rounded up to 8), a device
+  # whose items have all ended among them.
+  assert eight['stages'] == [{'devices': 8, 'idle': False},
+                             {'rows': 192, 'idle': True},
+                             {'rows': 64, 'idle': False}]
   assert eight['beam'] == translation.translate_ids(
       params, cfg, sources, beam_size=2, batch_size=16)
   assert eight['greedy'] == translation.translate_ids(
