@@ -91,9 +91,10 @@ def _first_stage(params, src, *, mesh: Mesh, config: TransformerConfig,
   each device's."""
   def per_device(params, src):
     state = _start_beams(src, config, beam_size, max_len)
-    # Its loop over the whole cache would cost the compile a loop body (a
-    # cold command 1.8 s, docs/performance.md) for steps that the Multi30k
-    # sets' first stages never reach: a later stage takes them instead.
+    # Its loop over the whole cache would cost the compile a loop body
+    # (about 1.5 s of a cold command, docs/performance.md) for steps that
+    # the Multi30k sets' first stages never reach: a later stage takes
+    # them instead.
     state = _run_beams(params, src, state, config,
                        past_windows=not search['until_searching'], **search)
     return state.replace(step=state.step[None])
