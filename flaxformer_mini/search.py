@@ -602,11 +602,9 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
 
   if windows is None:
     return jax.lax.while_loop(keep_going, one_step, state)
-  in_windows = False
   for length in windows.lengths:
     if length >= max_len:
       break
-    in_windows = True
 
     def in_window(state, length=length):
       window = jax.lax.while_loop(
@@ -620,8 +618,8 @@ def run_beam_search(tokens_to_logits: TokensToLogits, state: BeamState, *,
     # translate command (docs/performance.md, "A cache that grows").
     state = jax.lax.cond(keep_going(state) & (state.step < length),
                          in_window, lambda state: state, state)
-  if in_windows and not past_windows:
-    return state
+  if not past_windows and any(length < max_len for length in windows.lengths):
+    return state  # at the last window's end
   return jax.lax.while_loop(keep_going, one_step, state)
 
 
