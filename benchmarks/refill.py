@@ -15,8 +15,6 @@ writes the table into docs/performance.md.
 
 import statistics
 
-import numpy as np
-
 from flaxformer_mini import translation
 from flaxformer_mini import workdir as workdir_lib
 
@@ -24,51 +22,6 @@ import common
 import translate_command
 
 MODES = {'stages': {}, 'slots': {'refill': True}}
-# The programs each way compiles: the module's jitted functions.
-PROGRAMS = {'stages': ('_jit_first_stage', '_jit_later_stage'),
-            'slots': ('_jit_start_slots', '_jit_fill', '_jit_advance')}
-
-
-def _counted(beams: int) -> dict:
-  """Wraps the jitted search programs to count the beam row-steps they take
-  (and, in slots, each sentence's own steps): -> the live counts."""
-  counts = {'row_steps': {'stages': 0, 'slots': 0}, 'own_steps': []}
-  first, later = translation._jit_first_stage, translation._jit_later_stage  # pylint: disable=protected-access
-  advance = translation._jit_advance  # pylint: disable=protected-access
-
-  # A stage's step is int32[devices]: each device searches len(src) /
-  # devices rows for its own number of steps.
-  def stage_row_steps(src, steps):
-    return len(src) // len(steps) * beams * int(steps.sum())
-
-  def first_stage(params, src, **static):
-    state = first(params, src, **static)
-    counts['row_steps']['stages'] += stage_row_steps(
-        src, np.asarray(state.step))
-    return state
-
-  def later_stage(params, src, state, keep, **static):
-    step = np.asarray(state.step)
-    state = later(params, src, state, keep, **static)
-    counts['row_steps']['stages'] += stage_row_steps(
-        src, np.asarray(state.step) - step)
-    return state
-
-  def advance_slots(params, state, until_done, **static):
-    step, done = np.asarray(state.step), np.asarray(state.done)
-    state = advance(params, state, until_done, **static)
-    new_step, new_done = np.asarray(state.step), np.asarray(state.done)
-    # Every slot steps while one searches: the loop ran as many times as
-    # the slot that stepped most.
-    counts['row_steps']['slots'] += (len(step) * beams *
-                                     int((new_step - step).max()))
-    counts['own_steps'].extend(new_step[new_done & ~done].tolist())
-    return state
-
-  translation._jit_first_stage = first_stage  # pylint: disable=protected-access
-  translation._jit_later_stage = later_stage  # pylint: disable=protected-access
-  translation._jit_advance = advance_slots  # pylint: disable=protected-access
-  return counts
 
 
 def measure(workdir: str, data_dir: str, split: str, rounds: int,
@@ -82,18 +35,11 @@ def measure(workdir: str, data_dir: str, split: str, rounds: int,
           for mode, kwargs in MODES.items()}
   outputs = {mode: run() for mode, run in runs.items()}  # compiles
   programs = {mode: sum(getattr(translation, name)._cache_size()  # pylint: disable=protected-access
-                        for name in names) for mode, names in PROGRAMS.items()}
+                        for name in names)
+              for mode, names in translate_command.PROGRAMS.items()}
   times = common.interleaved_seconds(runs, rounds)
   medians = {mode: statistics.median(t) for mode, t in times.items()}
-  jitted = {name: getattr(translation, name)
-            for names in PROGRAMS.values() for name in names}
-  counts = _counted(beam)
-  try:
-    for run in runs.values():
-      run()
-  finally:
-    for name, function in jitted.items():
-      setattr(translation, name, function)
+  counts = translate_command.counted_row_steps(runs.values(), beam)
   least = beam * sum(counts['own_steps'])
   return {'lines': len(lines), 'split': split, 'beam': beam,
           'seconds': times,

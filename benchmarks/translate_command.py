@@ -26,7 +26,10 @@ penalty set to the run's alpha (a different formula: to_ctranslate2 says
 how), batches of --batch_size, every core: the searches alone in this
 process, in turns (the project's compiled search and CTranslate2's in float32:
 a second CTranslate2 translator in one process slows the first), on the test
-lines; then whole processes, in turns, on the test lines and the first
+lines, and where the gap between them is: the beam row-steps each search
+takes (the project's counted in its programs, against its sentences' own
+steps to their ends; CTranslate2's read from its hypotheses) and the time of
+one; then whole processes, in turns, on the test lines and the first
 --train_lines lines of the training split: the translate command with an
 empty compilation cache (cold) and again on it (warm), and a CTranslate2
 process (import, load, tokenize, translate, write) in float32 and int8, each
@@ -45,7 +48,9 @@ import sys
 import tempfile
 import time
 
-from flaxformer_mini import decoding, translate
+import numpy as np
+
+from flaxformer_mini import decoding, translate, translation
 from flaxformer_mini.translation import translate_ids
 from flaxformer_mini import workdir as workdir_lib
 from flaxformer_mini.config import STOPPING_RULES, get_config
@@ -149,6 +154,88 @@ def _rate(lines: int, seconds: list[float]) -> dict:
           'sentences_per_s': lines / median}
 
 
+# The programs each way translate_ids searches compiles: the module's jitted
+# functions.
+PROGRAMS = {'stages': ('_jit_first_stage', '_jit_later_stage'),
+            'slots': ('_jit_start_slots', '_jit_fill', '_jit_advance')}
+
+
+def counted_row_steps(runs, beams: int) -> dict:
+  """Calls each of `runs` (translate_ids calls) with the
+  search's programs wrapped to count the beam row-steps they take: -> {
+  'row_steps': {'stages': n, 'slots': n}, 'own_steps': each sentence's own
+  steps to its end, from the slots (refill=True) calls}."""
+  counts = {'row_steps': {'stages': 0, 'slots': 0}, 'own_steps': []}
+  jitted = {name: getattr(translation, name)
+            for names in PROGRAMS.values() for name in names}
+  first, later = jitted['_jit_first_stage'], jitted['_jit_later_stage']
+  advance = jitted['_jit_advance']
+
+  # A stage's step is int32[devices]: each device searches len(src) /
+  # devices rows for its own number of steps.
+  def stage_row_steps(src, steps):
+    return len(src) // len(steps) * beams * int(steps.sum())
+
+  def first_stage(params, src, **static):
+    state = first(params, src, **static)
+    counts['row_steps']['stages'] += stage_row_steps(
+        src, np.asarray(state.step))
+    return state
+
+  def later_stage(params, src, state, keep, **static):
+    step = np.asarray(state.step)
+    state = later(params, src, state, keep, **static)
+    counts['row_steps']['stages'] += stage_row_steps(
+        src, np.asarray(state.step) - step)
+    return state
+
+  def advance_slots(params, state, until_done, **static):
+    step, done = np.asarray(state.step), np.asarray(state.done)
+    state = advance(params, state, until_done, **static)
+    new_step, new_done = np.asarray(state.step), np.asarray(state.done)
+    # Every slot steps while one searches: the loop ran as many times as
+    # the slot that stepped most.
+    counts['row_steps']['slots'] += (len(step) * beams *
+                                     int((new_step - step).max()))
+    counts['own_steps'].extend(new_step[new_done & ~done].tolist())
+    return state
+
+  translation._jit_first_stage = first_stage  # pylint: disable=protected-access
+  translation._jit_later_stage = later_stage  # pylint: disable=protected-access
+  translation._jit_advance = advance_slots  # pylint: disable=protected-access
+  try:
+    for run in runs:
+      run()
+  finally:
+    for name, function in jitted.items():
+      setattr(translation, name, function)
+  return counts
+
+
+def _ctranslate2_row_steps(translator, vocab, lines, beam, alpha, batch_size,
+                           limit) -> tuple[int | None, list[str]]:
+  """The beam row-steps CTranslate2's search takes on `lines` (None where
+  its output cannot show them), and its best translations: -> (row-steps,
+  translations).
+
+  With a length penalty CTranslate2 ends a sentence once beam_size
+  hypotheses have ended (without one, once its top beam has, which its
+  output does not show), so the longest of the beam_size it returns ended
+  at its last step; it drops each ended sentence from its batch at once,
+  and on a CPU takes the first step on one row per sentence, expanding to
+  the beams after it (its decoding.cc).
+  """
+  pieces = [vocab.encode(line, out_type=str)[:limit - 1] for line in lines]
+  results = translator.translate_batch(
+      pieces, beam_size=beam, length_penalty=alpha, max_batch_size=batch_size,
+      max_decoding_length=limit, num_hypotheses=beam)
+  # A hypothesis of n tokens ended (eos) at step n + 1, or was cut at the
+  # limit after n = limit steps.
+  steps = [min(max(map(len, r.hypotheses)) + 1, limit) for r in results]
+  row_steps = sum(beam * n - (beam - 1) for n in steps) if alpha else None
+  return row_steps, [vocab.decode(r.hypotheses[0]) for r in results]
+
+
 def against_ctranslate2(workdir: str, data_dir: str, beam: int,
                         batch_size: int, rounds: int, train_lines: int,
                         stopping: str | None) -> dict:
@@ -181,14 +268,15 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   # 2-core CPU (measured: 3.2 s for the test lines alone, 6.8 s beside
   # another), so int8 runs in its own process below.
   sources = [vocab.encode(line) for line in test]
+  translator = ctranslate2.Translator(folder, compute_type='float32',
+                                      intra_threads=os.cpu_count())
   runs = {
       'project': lambda: [vocab.decode(ids) for ids in translate_ids(
           trained.params, config, sources, beam_size=beam,
           batch_size=batch_size, stopping=stopping)],
       'ctranslate2_float32': functools.partial(
-          _ctranslate2_search, ctranslate2.Translator(
-              folder, compute_type='float32', intra_threads=os.cpu_count()),
-          vocab, test, beam, alpha, batch_size, limit)}
+          _ctranslate2_search, translator, vocab, test, beam, alpha,
+          batch_size, limit)}
   outputs = {name: run() for name, run in runs.items()}  # compiles ours
   times = common.interleaved_seconds(runs, rounds)
   searches = {name: {**_rate(len(test), times[name]),
@@ -198,6 +286,26 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   searches['project_over_ctranslate2_float32'] = {
       'per_round': [t / m for m, t in zip(mine, theirs)],
       'of_medians': statistics.median(theirs) / statistics.median(mine)}
+
+  # Where the gap between the searches is: the beam row-steps each takes
+  # (the project's against every sentence's own steps to its end, counted
+  # in slots, which step each sentence alone) and each row-step's time.
+  counts = counted_row_steps((runs['project'], lambda: translate_ids(
+      trained.params, config, sources, beam_size=beam, batch_size=batch_size,
+      stopping=stopping, refill=True)), beam)
+  theirs, theirs_best = _ctranslate2_row_steps(
+      translator, vocab, test, beam, alpha, batch_size, limit)
+  row_steps = {'project': counts['row_steps']['stages'],
+               'project_own': beam * sum(counts['own_steps']),
+               'ctranslate2_float32': theirs}
+  searches['row_steps'] = {
+      **row_steps,
+      # The search counted is the one timed: the same translations.
+      'ctranslate2_same_output': sum(a == b for a, b in zip(
+          theirs_best, outputs['ctranslate2_float32'])),
+      'microseconds_per_row_step': {
+          name: 1e6 * searches[name]['median_s'] / row_steps[name]
+          for name in runs if row_steps[name]}}
 
   # Whole processes, in turns.
   processes = {}
@@ -296,12 +404,45 @@ def ctranslate2_table(result: dict) -> str:
           f"| {label} | {q['lines']:,} {split} lines | "
           f"{q[kind]['sentences_per_s']:.0f} | "
           f"{f'{ratio:.2f}x' if ratio else ''} | {scores} |")
+  lines += ['', *_row_steps_table(s, p['test']['lines'])]
   lines += ['', f"The command's compiled programs, kept whole by the cold "
             f"process and loaded by the warm one: {p['test']['programs']} "
             f"for the test lines, {p['train']['programs']} for the train "
             'lines. The command writes its output once every line is '
             'translated, so its time is also the time to its first line.']
   return '\n'.join(lines)
+
+
+
+def _row_steps_table(searches: dict, lines: int) -> list[str]:
+  """The searches' gap on the test lines as beam row-steps times the time
+  of one: the lines of a table and a sentence."""
+  r = searches['row_steps']
+  per = r['microseconds_per_row_step']
+  mine, own = r['project'], r['project_own']
+  theirs = r['ctranslate2_float32']
+  table = [f'| the search alone, {lines:,} test lines | beam row-steps | '
+           'µs per row-step (wall, every core) |', '|---|---:|---:|',
+           f"| this project | {mine:,} ({mine / own - 1:+.0%} over its "
+           f"sentences' own, {own:,}) | {per['project']:.0f} |"]
+  if not theirs:
+    return table + ['', "CTranslate2's row-steps are not counted: without a "
+                    'length penalty it ends a sentence at its top beam\'s '
+                    'end, which its output does not show.']
+  steps, cost = mine / theirs, per['project'] / per['ctranslate2_float32']
+  return table + [
+      f"| CTranslate2 float32 | {theirs:,} | "
+      f"{per['ctranslate2_float32']:.0f} |",
+      f'| project ÷ CTranslate2 | {steps:.2f}x | {cost:.2f}x |', '',
+      f'So the project\'s search takes {steps:.2f} × {cost:.2f} = '
+      f'{steps * cost:.2f}× CTranslate2\'s time: its stages step ended '
+      "sentences along until a quarter of a batch's are left (the row-steps "
+      "over its sentences' own), where CTranslate2 drops each sentence at its"
+      ' end and takes its first step on one row per sentence; the rest is '
+      "each row-step's cost. CTranslate2's row-steps are read from its "
+      'beam_size hypotheses (it ends a sentence once beam_size have ended), '
+      f"in a search that gave {r['ctranslate2_same_output']:,} of "
+      f'{lines:,} translations the same as the timed one.']
 
 
 DOCS = os.path.join(ROOT, 'docs', 'performance.md')

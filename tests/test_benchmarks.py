@@ -203,6 +203,20 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert processes['test']['command_warm']['bleu'] == pytest.approx(
       searches['project']['bleu'])
   assert [processes[split]['lines'] for split in ('test', 'train')] == [30, 12]
+  # The gap as row-steps times a row-step's time: no search takes fewer
+  # than its sentences' own steps; CTranslate2's, read from its beam_size
+  # hypotheses, lie between one step per sentence and every beam to the
+  # limit (max_len 48), first step on one row; the count comes from the
+  # search that was timed; the two factors give the medians' ratio.
+  row_steps = searches['row_steps']
+  assert row_steps['project'] >= row_steps['project_own'] > 0
+  assert 30 <= row_steps['ctranslate2_float32'] <= 30 * (2 * 48 - 1)
+  assert row_steps['ctranslate2_same_output'] == 30
+  per = row_steps['microseconds_per_row_step']
+  assert (per['project'] / per['ctranslate2_float32'] *
+          row_steps['project'] / row_steps['ctranslate2_float32']) == (
+              pytest.approx(1 / searches['project_over_ctranslate2_float32'][
+                  'of_medians']))
   # Its searches run as the command's: one device per core.
   assert compared['devices'] == len(os.sched_getaffinity(0))
   # The cold process kept its programs: one source shape for the input, and
@@ -221,6 +235,8 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert '| CTranslate2 int8, process | 30 test lines |' in table
   assert f"8 per device on {compared['devices']} device(s)" in table
   assert "the stopping rule exact (the run's is current_length)" in table
+  assert (f"| this project | {row_steps['project']:,} (") in table
+  assert '| project ÷ CTranslate2 |' in table
   assert (f"loaded by the warm one: {processes['test']['programs']} for the "
           'test lines') in table
 
