@@ -161,10 +161,10 @@ PROGRAMS = {'stages': ('_jit_first_stage', '_jit_later_stage'),
 
 
 def counted_row_steps(runs, beams: int) -> dict:
-  """Calls each of `runs` (translate_ids calls) with the
-  search's programs wrapped to count the beam row-steps they take: -> {
-  'row_steps': {'stages': n, 'slots': n}, 'own_steps': each sentence's own
-  steps to its end, from the slots (refill=True) calls}."""
+  """Calls each of `runs` (translate_ids calls) with the search's programs
+  wrapped to count the beam row-steps they take: -> {'row_steps':
+  {'stages': n, 'slots': n}, 'own_steps': each sentence's own steps to its
+  end, from the slots (refill=True) calls}."""
   counts = {'row_steps': {'stages': 0, 'slots': 0}, 'own_steps': []}
   jitted = {name: getattr(translation, name)
             for names in PROGRAMS.values() for name in names}
@@ -411,7 +411,6 @@ def ctranslate2_table(result: dict) -> str:
             'lines. The command writes its output once every line is '
             'translated, so its time is also the time to its first line.']
   return '\n'.join(lines)
-
 
 
 def _row_steps_table(searches: dict, lines: int) -> list[str]:

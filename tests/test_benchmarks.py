@@ -336,6 +336,30 @@ def test_a_cheaper_rule_meets_the_criterion_only_on_both_splits():
       0.0, -0.05, -1.0]
 
 
+def test_the_gap_splits_into_row_steps_times_their_cost():
+  sys.path.insert(0, BENCHMARKS)
+  import translate_command  # pylint: disable=g-import-not-at-top
+  # 1,200 row-steps in 6 s against 800 in 2 s: 1.5x the row-steps, each
+  # 2x the cost (5,000 against 2,500 µs), 3x the time in all.
+  counted = {'row_steps': {
+      'project': 1200, 'project_own': 1000, 'ctranslate2_float32': 800,
+      'ctranslate2_same_output': 30,
+      'microseconds_per_row_step': {'project': 5000,
+                                    'ctranslate2_float32': 2500}}}
+  table = '\n'.join(translate_command._row_steps_table(counted, 30))  # pylint: disable=protected-access
+  assert '| this project | 1,200 (+20% over its sentences\' own, 1,000) |' in (
+      table)
+  assert '| project ÷ CTranslate2 | 1.50x | 2.00x |' in table
+  assert '1.50 × 2.00 = 3.00×' in table
+  # Without a length penalty CTranslate2's steps cannot be read from its
+  # output: the table says so instead of a ratio.
+  counted['row_steps'].update(ctranslate2_float32=None,
+                              microseconds_per_row_step={'project': 5000})
+  table = '\n'.join(translate_command._row_steps_table(counted, 30))  # pylint: disable=protected-access
+  assert "CTranslate2's row-steps are not counted" in table
+  assert 'project ÷ CTranslate2' not in table
+
+
 @pytest.mark.slow
 def test_the_input_benchmark_measures_a_synthetic_corpus(tmp_path):
   if not os.path.isdir(MULTI30K):
