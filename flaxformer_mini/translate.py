@@ -134,7 +134,8 @@ def main(argv: list[str]) -> None:
                       'at its current length).')
   parser.add_argument('--batch_size', type=cli.positive_int, default=64,
                       help='sentences per search on each device (a CPU '
-                      'host has one device per core).')
+                      'host has one device per core); an input too small '
+                      'to fill them is searched in fewer.')
   parser.add_argument('--refill', action='store_true',
                       help='search in --batch_size slots, each taking the '
                       'next sentence as soon as its own is done (continuous '

@@ -407,6 +407,16 @@ class Sampling:
   top_p: float = 1.0
 
 
+def _rows_per_device(count: int, batch_size: int, devices: int) -> int:
+  """The sentences per device of each batch for an input of `count`:
+  batch_size, or, where the input cannot fill one batch, the least power of
+  two from 8 up that holds it. A line or two is then not searched among a
+  batch of copies of itself (one line on two devices: 8 rows each, not 64),
+  and small inputs still share a few batch shapes, so their programs."""
+  needed = -(-count // devices)
+  return min(batch_size, max(8, 1 << max(needed - 1, 0).bit_length()))
+
+
 def _length_batches(config: TransformerConfig, sources: list[list[int]],
                     batch_size: int, devices: int = 1):
   """The non-empty sources sorted by length into batches of batch_size rows
@@ -512,7 +522,9 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
   `beam_search`).
 
   Sources are sorted by length into batches of `batch_size` sentences per
-  device, so that the sentences of a batch tend to end at similar steps;
+  device (an input too small to fill one batch: the least power of two
+  from 8 that holds it, `_rows_per_device`), so that the sentences of a
+  batch tend to end at similar steps;
   each batch is split over all of this process's devices
   (`jax.local_devices()`: the GPUs of a node, or a CPU host's devices,
   which the translate command makes one per core), each searching its
@@ -582,8 +594,8 @@ def translate_ids(params, config: TransformerConfig, sources: list[list[int]],
 
   for members, best in _one_batch_ahead(
       (members, search(members, src)) for members, src in _length_batches(
-          config, sources, max(count, 1) if in_slots else batch_size,
-          len(devices))):
+          config, sources, max(count, 1) if in_slots else
+          _rows_per_device(count, batch_size, len(devices)), len(devices))):
     for row, i in enumerate(members):
       for draw in range(draws if i is not None else 0):
         outputs[i * draws + draw] = tokens_before_eos(

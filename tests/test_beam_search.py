@@ -780,6 +780,12 @@ def test_every_device_searches_its_share_and_each_sentence_gets_its_own(
   sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
                           size=n).tolist() for n in rng.integers(1, 7, 45)]
   sources[7] = []  # an empty line stays empty
+  # 192 one-token sources before them fill a first batch of 8 x 24 rows
+  # (sorted by length, ties in input order): the 45 make the second batch,
+  # 147 of its rows fillers, as an input's last batch has them.
+  extra = np.random.default_rng(5)
+  sources = [extra.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                            size=1).tolist() for _ in range(192)] + sources
   params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0)))
   (tmp_path / 'model.pickle').write_bytes(
       pickle.dumps((cfg, params, sources)))
@@ -791,12 +797,15 @@ def test_every_device_searches_its_share_and_each_sentence_gets_its_own(
       cwd=ROOT, env=env, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   eight = json.loads(result.stdout.strip().splitlines()[-1])
-  # One batch of 8 x 24 rows, its first stage on all 8 devices up to its
-  # cache's last window (48 of 64 positions), where more than a quarter of
-  # some device's items still search: on at 8 x 24 rows, then in 8 x 8
-  # (each device keeps a quarter of its 24, rounded up to 8), a device
-  # whose items have all ended among them.
+  # Each batch's first stage on all 8 devices (the second's called before
+  # the host waits on the first's) up to its cache's last window (48 of 64
+  # positions), where more than a quarter of some device's items still
+  # search: each goes on at 8 x 24 rows. That ends every sentence of the
+  # first batch; the second's go on in 8 x 8 (each device keeps a quarter of its
+  # 24, rounded up to 8), a device whose items have all ended among them.
   assert eight['stages'] == [{'devices': 8, 'idle': False},
+                             {'devices': 8, 'idle': False},
+                             {'rows': 192, 'idle': False},
                              {'rows': 192, 'idle': True},
                              {'rows': 64, 'idle': False}]
   assert eight['beam'] == translation.translate_ids(
@@ -808,7 +817,33 @@ def test_every_device_searches_its_share_and_each_sentence_gets_its_own(
       sampling=translation.Sampling(seed=3, num_samples=2))
   assert eight['refill'] == eight['beam']
   # Translations of every length from none to the limit.
-  assert eight['beam'][7] == [] and len(set(map(len, eight['beam']))) >= 8
+  assert eight['beam'][192 + 7] == []
+  assert len(set(map(len, eight['beam']))) >= 8
+
+
+def test_an_input_too_small_for_a_batch_is_searched_in_a_smaller_one(
+    toy_model, monkeypatch):
+  """A line or two is not searched among a batch of copies of itself: an
+  input that cannot fill batch_size rows per device gets the least power of
+  two from 8 that holds it, and the same translations."""
+  cfg, params, _ = toy_model
+  rng = np.random.default_rng(0)
+  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                          size=n).tolist() for n in rng.integers(1, 7, 40)]
+  rows, first = [], translation._jit_first_stage  # pylint: disable=protected-access
+  def first_stage(params, src, **static):
+    rows.append(len(src))
+    return first(params, src, **static)
+  monkeypatch.setattr(translation, '_jit_first_stage', first_stage)
+  whole = translation.translate_ids(params, cfg, sources, beam_size=2)
+  for count, expected in ((1, 8), (9, 16), (33, 64)):
+    rows.clear()
+    assert translation.translate_ids(
+        params, cfg, sources[:count], beam_size=2) == whole[:count]
+    assert set(rows) == {expected}, count
+  # Per device, within batch_size: 20 lines on 2 devices, 10 rows each.
+  assert translation._rows_per_device(20, 64, devices=2) == 16  # pylint: disable=protected-access
+  assert translation._rows_per_device(20, 12, devices=1) == 12  # pylint: disable=protected-access
 
 
 def test_a_batch_is_dealt_to_the_devices_by_length_in_turn(toy_config):
