@@ -801,8 +801,9 @@ def test_every_device_searches_its_share_and_each_sentence_gets_its_own(
   # the host waits on the first's) up to its cache's last window (48 of 64
   # positions), where more than a quarter of some device's items still
   # search: each goes on at 8 x 24 rows. That ends every sentence of the
-  # first batch; the second's go on in 8 x 8 (each device keeps a quarter of its
-  # 24, rounded up to 8), a device whose items have all ended among them.
+  # first batch; the second's go on in 8 x 8 (each device keeps a quarter
+  # of its 24, rounded up to 8), a device whose items have all ended among
+  # them.
   assert eight['stages'] == [{'devices': 8, 'idle': False},
                              {'devices': 8, 'idle': False},
                              {'rows': 192, 'idle': False},
@@ -841,7 +842,7 @@ def test_an_input_too_small_for_a_batch_is_searched_in_a_smaller_one(
     assert translation.translate_ids(
         params, cfg, sources[:count], beam_size=2) == whole[:count]
     assert set(rows) == {expected}, count
-  # Per device, within batch_size: 20 lines on 2 devices, 10 rows each.
+  # Per device, within batch_size: 20 lines on 2 devices need 10 each.
   assert translation._rows_per_device(20, 64, devices=2) == 16  # pylint: disable=protected-access
   assert translation._rows_per_device(20, 12, devices=1) == 12  # pylint: disable=protected-access
 
