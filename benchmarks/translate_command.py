@@ -139,13 +139,21 @@ with open(target, 'w', encoding='utf-8') as f:
 """
 
 
+def _ctranslate2_results(translator, vocab, lines, beam, alpha, batch_size,
+                         limit, hypotheses: int = 1):
+  """CTranslate2's search of `lines`, as the process above makes it: its
+  results, each with its `hypotheses` best."""
+  pieces = [vocab.encode(line, out_type=str)[:limit - 1] for line in lines]
+  return translator.translate_batch(
+      pieces, beam_size=beam, length_penalty=alpha, max_batch_size=batch_size,
+      max_decoding_length=limit, num_hypotheses=hypotheses)
+
+
 def _ctranslate2_search(translator, vocab, lines, beam, alpha, batch_size,
                         limit):
   """CTranslate2's translations of `lines`, as the process above makes them."""
-  pieces = [vocab.encode(line, out_type=str)[:limit - 1] for line in lines]
-  return [vocab.decode(r.hypotheses[0]) for r in translator.translate_batch(
-      pieces, beam_size=beam, length_penalty=alpha, max_batch_size=batch_size,
-      max_decoding_length=limit)]
+  return [vocab.decode(r.hypotheses[0]) for r in _ctranslate2_results(
+      translator, vocab, lines, beam, alpha, batch_size, limit)]
 
 
 def _rate(lines: int, seconds: list[float]) -> dict:
@@ -225,10 +233,8 @@ def _ctranslate2_row_steps(translator, vocab, lines, beam, alpha, batch_size,
   and on a CPU takes the first step on one row per sentence, expanding to
   the beams after it (its decoding.cc).
   """
-  pieces = [vocab.encode(line, out_type=str)[:limit - 1] for line in lines]
-  results = translator.translate_batch(
-      pieces, beam_size=beam, length_penalty=alpha, max_batch_size=batch_size,
-      max_decoding_length=limit, num_hypotheses=beam)
+  results = _ctranslate2_results(translator, vocab, lines, beam, alpha,
+                                 batch_size, limit, hypotheses=beam)
   # A hypothesis of n tokens ended (eos) at step n + 1, or was cut at the
   # limit after n = limit steps.
   steps = [min(max(map(len, r.hypotheses)) + 1, limit) for r in results]

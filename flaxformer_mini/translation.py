@@ -412,7 +412,8 @@ def _rows_per_device(count: int, batch_size: int, devices: int) -> int:
   batch_size, or, where the input cannot fill one batch, the least power of
   two from 8 up that holds it. A line or two is then not searched among a
   batch of copies of itself (one line on two devices: 8 rows each, not 64),
-  and small inputs still share a few batch shapes, so their programs."""
+  and small inputs still share a few batch shapes, and so their kept
+  programs."""
   needed = -(-count // devices)
   return min(batch_size, max(8, 1 << max(needed - 1, 0).bit_length()))
 
