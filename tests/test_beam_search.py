@@ -528,28 +528,45 @@ def test_a_copy_model_copies_with_beam_four(small_copy_config,
 def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
     small_copy_config, train_copy_model, monkeypatch):
   """translate_ids in batches of 32 (stages of 32 and 8 rows) gives each
-  sentence the translation it gets searched alone (under the exact rule,
-  with which this model's sentences end at steps far enough apart)."""
+  sentence the translation it gets searched alone, under the exact rule.
+
+  Which step a sentence ends at depends on the trained model (this one
+  writes 6 tokens for any source, and the exact bound ends a sentence a
+  step or two after its eos), so the batch is chosen from each sentence's
+  own end: 4 that end last behind 28 that end sooner, whose first stage
+  stops with 4 still searching."""
   cfg = small_copy_config
   state, _, _ = train_copy_model(cfg)
   rng = np.random.default_rng(0)
-  sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
-                          size=n).tolist() for n in rng.integers(1, 7, 40)]
-  taken = []
+  drawn = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
+                        size=n).tolist() for n in rng.integers(1, 7, 96)]
+  ends, taken = [], []
+  first = translation._jit_first_stage  # pylint: disable=protected-access
   later = translation._jit_later_stage  # pylint: disable=protected-access
+  monkeypatch.setattr(translation, '_jit_first_stage', lambda *a, **kw: (
+      out := first(*a, **kw), ends.append(int(np.max(out.step))))[0])
+  alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
+                                     batch_size=1, stopping='exact')[0]
+           for ids in drawn]
+  assert len(ends) == len(drawn)  # one stage each: a row of 1 never narrows
+  last = max(ends)
+  late = [i for i, end in enumerate(ends) if end == last][:4]
+  sooner = [i for i, end in enumerate(ends) if end < last][:28]
+  assert len(late) == 4 and len(sooner) == 28, (
+      f'this model ends its sentences at steps {sorted(set(ends))}: too '
+      'few apart to leave a batch of 32 with 4 searching')
+  chosen = sooner + late
+  sources = [drawn[i] for i in chosen]
   monkeypatch.setattr(
       translation, '_jit_later_stage', lambda params, src, state, keep, **kw: (
           taken.append(len(keep)), later(params, src, state, keep, **kw))[1])
   together = translation.translate_ids(state.params, cfg, sources, beam_size=2,
-                                    batch_size=32, stopping='exact')
-  assert taken and set(taken) == {8}  # some left their batch of 32
-  alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
-                                  batch_size=1, stopping='exact')[0]
-           for ids in sources]
-  assert together == alone
+                                       batch_size=32, stopping='exact')
+  assert taken == [8]  # the 4 still searching went on in 8 rows
+  assert together == [alone[i] for i in chosen]
   assert translation.translate_ids(state.params, cfg, sources, beam_size=2,
-                                batch_size=32, shrink_batches=False,
-                                stopping='exact') == alone
+                                   batch_size=32, shrink_batches=False,
+                                   stopping='exact') == together
 
 
 def test_sentences_still_searching_at_the_first_stage_s_last_window_go_on(
