@@ -42,25 +42,27 @@ import translate_command
 BEAMS, SRC_LEN, MAX_LEN = 4, 32, 82
 
 
-def _in_blocks(logits, offsets):
+def _in_blocks(logits, log_probs, forbidden):
   """The search's choice of the 2 x BEAMS best candidates of each item:
-  logits float32[items, BEAMS, vocab] plus one offset per beam, added only
-  in the blocks that may hold the best (search.top_k_in_blocks)."""
-  return search.top_k_in_blocks(logits, 2 * BEAMS, offsets)
+  logits float32[items, BEAMS, vocab], each beam's log p plus its
+  log_softmax, added only in the blocks that may hold the best, the
+  forbidden tokens left out (search.best_extensions)."""
+  return search.best_extensions(logits, log_probs, 2 * BEAMS, forbidden)
 
 
-def _xla_top_k(logits, offsets):
+def _xla_top_k(logits, log_probs, forbidden):
   """The same choice by XLA's own top-k, over every candidate's sum."""
-  return jax.lax.top_k((logits + offsets[..., None]).reshape(
-      logits.shape[0], -1), 2 * BEAMS)
+  logits = search._forbid(  # pylint: disable=protected-access
+      jax.nn.log_softmax(logits) + log_probs[..., None], list(forbidden))
+  return jax.lax.top_k(logits.reshape(logits.shape[0], -1), 2 * BEAMS)
 
 
 def _steps(params, src, config, length: int, reorder: bool, select,
            steps: int, per_beam: bool):
   """`steps` decoder steps of src's BEAMS beams each on a cache of `length`
-  positions -> a scalar; select: the choice of the best candidates
-  (_in_blocks or _xla_top_k, after the vocabulary's normalizer, as the
-  search chooses), or None (no vocabulary); per_beam: the encoder output
+  positions -> a scalar; select: the choice of the best candidates with
+  the vocabulary's normalizer (_in_blocks, as the search chooses, or
+  _xla_top_k), or None (no vocabulary); per_beam: the encoder output
   repeated for every beam, so that each beam row reads its own copy of the
   cross-attention keys and values (as the search did before they were read
   once per sentence)."""
@@ -77,8 +79,9 @@ def _steps(params, src, config, length: int, reorder: bool, select,
     logits, cache = tokens_to_logits(jnp.full((rows, 1), 5, jnp.int32), cache)
     if select:
       logits = logits.astype(jnp.float32).reshape(rows // BEAMS, BEAMS, -1)
-      # Every beam's live log p 0: its offset is minus its normalizer.
-      best, _ = select(logits, -jax.nn.logsumexp(logits, axis=-1))
+      # Every beam's live log p 0; pad and bos forbidden, as the search's.
+      best, _ = select(logits, jnp.zeros(logits.shape[:2]),
+                       (config.pad_id, config.bos_id))
       total += best.sum()
     else:
       total += logits[:, 0].sum()

@@ -481,6 +481,44 @@ def test_top_k_in_blocks_with_offsets_is_top_k_of_the_sums(rows, groups, n,
   np.testing.assert_array_equal(indices, expected_indices)
 
 
+@pytest.mark.parametrize('rows, groups, n, k, forbidden', [
+    (3, 4, 10_000, 8, (0, 2)),  # pad and bos of one block
+    (2, 3, 1_001, 6, (5, 31, 1_000)),  # three blocks, the last one padded
+    (2, 5, 7, 4, (1,)),  # too few blocks: lax.top_k
+    (2, 4, 600, 8, ())])
+def test_a_beam_steps_best_extensions_leave_out_forbidden_tokens(
+    rows, groups, n, k, forbidden):
+  """best_extensions: the top k of each beam's log p plus its logits'
+  log_softmax over every beam's vocabulary, the forbidden tokens never
+  taken; bitwise what the search took before, the forbidden tokens written
+  over with -inf in a copy of the logits and the normalizer's maximum
+  taken over them."""
+  rng = np.random.default_rng(n)
+  # Ties among the best across beams and blocks; the best logit of a row
+  # on a forbidden token; a dead beam (-inf log p).
+  logits = np.round(rng.normal(size=(rows, groups, n)) * 3).astype(np.float32)
+  logits[:, :, list(forbidden)] = 20.0
+  log_probs = np.round(rng.normal(size=(rows, groups))).astype(np.float32)
+  log_probs[0, 1:] = -np.inf
+  values, indices = jax.jit(search.best_extensions, static_argnums=(2, 3))(
+      logits, log_probs, k, forbidden)
+  written_over = logits.copy()
+  written_over[:, :, list(forbidden)] = -np.inf
+  offsets = log_probs - jax.nn.logsumexp(logits, axis=-1)
+  before_values, before_indices = search.top_k_in_blocks(
+      written_over, k, offsets)
+  np.testing.assert_array_equal(values, before_values)
+  np.testing.assert_array_equal(indices, before_indices)
+  expected_values, expected_indices = jax.lax.top_k(
+      (written_over + np.asarray(offsets)[..., None]).reshape(rows, -1), k)
+  np.testing.assert_array_equal(indices, expected_indices)
+  np.testing.assert_array_equal(values, expected_values)
+  assert not np.isin(indices % n, forbidden).any()
+  # top_k_in_blocks leaves them out the same way.
+  np.testing.assert_array_equal(
+      search.top_k_in_blocks(logits, k, offsets, forbidden)[1], indices)
+
+
 def test_windows_double_up_to_three_quarters_of_max_len():
   assert search.doubling_windows(30) == ()
   assert search.doubling_windows(66) == search.doubling_windows(98) == (24, 48)
