@@ -118,6 +118,14 @@ def translate_command(workdir: str, data_dir: str, split: str, beam: int,
           'speed_up_over_one_stage': one_seconds / seconds}, config
 
 
+# CTranslate2's configuration for throughput on a CPU (its docs/parallel.md):
+# one worker per core, each on one thread, translate_batch's batches spread
+# over them; as the project's search runs one device per core. One worker on
+# every core (intra_threads=os.cpu_count(), this benchmark's until
+# 2026-12-07) was 2.7x slower on the test lines on a 2-core CPU of this
+# project's kind (5.1 s against 1.9 s; docs/performance.md).
+CTRANSLATE2_THREADS = {'inter_threads': os.cpu_count(), 'intra_threads': 1}
+
 # A whole CTranslate2 process, as a user serving the converted run writes it:
 # argv: model folder, compute type, beam, length penalty, batch size, max
 # decoding length, input file, output file.
@@ -126,7 +134,8 @@ import os, sys
 import ctranslate2, sentencepiece
 folder, compute, beam, penalty, batch, limit, source, target = sys.argv[1:]
 translator = ctranslate2.Translator(folder, compute_type=compute,
-                                   intra_threads=os.cpu_count())
+                                   inter_threads=os.cpu_count(),
+                                   intra_threads=1)
 vocab = sentencepiece.SentencePieceProcessor(
     model_file=os.path.join(folder, 'spm.model'))
 lines = open(source, encoding='utf-8').read().split('\\n')[:-1]
@@ -275,7 +284,7 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   # another), so int8 runs in its own process below.
   sources = [vocab.encode(line) for line in test]
   translator = ctranslate2.Translator(folder, compute_type='float32',
-                                      intra_threads=os.cpu_count())
+                                      **CTRANSLATE2_THREADS)
   runs = {
       'project': lambda: [vocab.decode(ids) for ids in translate_ids(
           trained.params, config, sources, beam_size=beam,
@@ -364,6 +373,7 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   import jax  # pylint: disable=g-import-not-at-top
   return {'beam': beam, 'alpha': alpha, 'batch_size': batch_size,
           'devices': jax.local_device_count(),
+          'ctranslate2_threads': CTRANSLATE2_THREADS,
           'stopping': stopping, 'runs_stopping': config.eval_stopping,
           'rounds': rounds,
           'searches': searches, 'processes': processes}
@@ -380,7 +390,9 @@ def ctranslate2_table(result: dict) -> str:
       f"beam {c['beam']}, α {c['alpha']} (CTranslate2's "
       f"length_penalty {c['alpha']}), batches of {c['batch_size']} (the "
       f"project's: {c['batch_size']} per device on {c['devices']} "
-      f"device(s), one per core), the stopping rule {c['stopping']} ("
+      f"device(s), one per core; CTranslate2's: "
+      + ', '.join(f'{k} {v}' for k, v in c['ctranslate2_threads'].items()) +
+      f"), the stopping rule {c['stopping']} ("
       + ("the run's" if c['stopping'] == c.get('runs_stopping', c['stopping'])
          else f"the run's is {c['runs_stopping']}") +
       f"); medians of {c['rounds']} rounds in turns.", '',

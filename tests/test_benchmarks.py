@@ -217,8 +217,12 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
           row_steps['project'] / row_steps['ctranslate2_float32']) == (
               pytest.approx(1 / searches['project_over_ctranslate2_float32'][
                   'of_medians']))
-  # Its searches run as the command's: one device per core.
+  # Its searches run as the command's: one device per core; CTranslate2's
+  # as its docs configure a CPU for throughput: one worker per core, each
+  # on one thread.
   assert compared['devices'] == len(os.sched_getaffinity(0))
+  assert compared['ctranslate2_threads'] == {
+      'inter_threads': os.cpu_count(), 'intra_threads': 1}
   # The cold process kept its programs: one source shape for the input, and
   # batches of 8 run in one stage (a later stage starts above 16 rows).
   assert processes['test']['programs'] == 1
@@ -235,6 +239,8 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert '| CTranslate2 int8, process | 30 test lines |' in table
   assert f"8 per device on {compared['devices']} device(s)" in table
   assert "the stopping rule exact (the run's is current_length)" in table
+  assert (f"CTranslate2's: inter_threads {os.cpu_count()}, intra_threads 1)"
+          in table)
   assert (f"| this project | {row_steps['project']:,} (") in table
   assert '| project ÷ CTranslate2 |' in table
   assert (f"loaded by the warm one: {processes['test']['programs']} for the "
