@@ -790,8 +790,11 @@ def best_extensions(logits, log_probs, k: int, forbidden=()):
   if blocks.too_few:
     return top_k_in_blocks(logits, k, log_probs - jax.nn.logsumexp(
         logits, axis=-1), forbidden)
-  # jax.nn.logsumexp's sum, about the maximum of the blocks' maxima.
-  peak = jax.lax.stop_gradient(blocks.maxima.max(-1))
+  # jax.nn.logsumexp's sum, about the maximum of the blocks' maxima. The
+  # barrier keeps XLA from merging the two maxima into one reduction over
+  # the logits, which would read them all again.
+  peak = jax.lax.stop_gradient(
+      jax.lax.optimization_barrier(blocks.maxima).max(-1))
   peak = jnp.where(jnp.isfinite(peak), peak, 0)
   normalizer = jnp.log(jnp.sum(jnp.exp(logits - peak[..., None]),
                                axis=-1)) + peak
