@@ -178,15 +178,19 @@ def convert(params, config: TransformerConfig, pieces: list[str], out: str,
   spec.optimize(quantization=quantization)
   parent = os.path.dirname(os.path.abspath(out))
   os.makedirs(parent, exist_ok=True)
-  building = tempfile.mkdtemp(prefix='.ctranslate2-', dir=parent)
+  staging = tempfile.mkdtemp(prefix='.ctranslate2-', dir=parent)
   try:
+    # Built in a folder of its own inside the staging one: mkdtemp's is
+    # readable by its owner only, and a server that runs as another user
+    # must read the model.
+    building = os.path.join(staging, 'model')
+    os.mkdir(building)
     spec.save(building)
     for path in files:
       shutil.copyfile(path, os.path.join(building, os.path.basename(path)))
     os.rename(building, out)
-  except BaseException:
-    shutil.rmtree(building, ignore_errors=True)
-    raise
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv: list[str]) -> None:
