@@ -2,7 +2,8 @@
 when the disk is full.
 
 `written_whole` writes a file beside its place and renames it there, so a
-reader, a writer that dies, or a full disk never leaves half a file behind.
+reader, a writer that dies, or a full disk never leaves half a file behind;
+`new_folder` does the same for a folder the export commands write.
 
 A full disk (or a quota, or a file-size limit) shows up in many forms: an
 OSError from Python, a RESOURCE_EXHAUSTED ValueError from orbax's
@@ -15,6 +16,7 @@ import contextlib
 import errno
 import os
 import shutil
+import tempfile
 
 # The end of a file's name while it is written (`written_whole`).
 PARTIAL = '.partial'
@@ -63,3 +65,56 @@ def written_whole(path: str, mode: str = 'w'):
     with contextlib.suppress(OSError):
       os.remove(partial)
     raise
+
+
+class FolderExists(FileExistsError):
+  """A new folder was asked for where something is (nothing was changed)."""
+
+
+def check_new_folder(path: str) -> None:
+  """Raises FolderExists unless `path` is free for a new folder."""
+  if os.path.lexists(path):
+    raise _exists(path)
+
+
+def _exists(path: str) -> FolderExists:
+  return FolderExists(f'{path} exists; name a new folder (nothing there was '
+                      'changed).')
+
+
+@contextlib.contextmanager
+def new_folder(path: str):
+  """Yields an empty folder to fill, which becomes the new folder `path`
+  once the block ends without an error, all or nothing: it is filled beside
+  `path` and renamed into place, so no reader sees it half written, and an
+  error leaves nothing behind.
+
+  Raises:
+    FolderExists: `path` exists, before the block or once it ends (made
+      meanwhile: it is refused, never replaced).
+  """
+  check_new_folder(path)
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}-', dir=parent)
+  try:
+    # Filled in a folder of its own inside the staging one: mkdtemp's is
+    # readable by its owner only, and a server that runs as another user
+    # must read what is written.
+    filling = os.path.join(staging, 'folder')
+    os.mkdir(filling)
+    yield filling
+    # os.rename replaces an empty folder: `path` is claimed first, so that
+    # one made there since the check is refused, not replaced.
+    try:
+      os.mkdir(path)
+    except FileExistsError as e:
+      raise _exists(path) from e
+    try:
+      os.rename(filling, path)
+    except OSError:
+      with contextlib.suppress(OSError):
+        os.rmdir(path)  # the claim; anything put in it meanwhile stays
+      raise
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)

@@ -2,7 +2,7 @@
 
   python -m flaxformer_mini.export --workdir runs/translate --out exported/
 
-writes into --out what a program needs to translate without this package
+writes into --out (a new folder) what a program needs to translate without this package
 (or flax): jax, numpy, and sentencepiece for text.
 
   search.jax_export  the encoder and the beam search, serialized
@@ -26,6 +26,7 @@ import os
 import shutil
 
 from flaxformer_mini import cli
+from flaxformer_mini import disk
 from flaxformer_mini.config import STOPPING_RULES
 
 ARTIFACT = 'search.jax_export'
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> None:
                              description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', required=True)
   parser.add_argument('--out', required=True,
-                      help='the folder to write the artifact into.')
+                      help='the new folder to write the artifact into.')
   parser.add_argument('--params', choices=['best', 'latest', 'averaged'],
                       default='best')
   parser.add_argument('--beam_size', type=cli.positive_int, default=4)
@@ -133,8 +134,10 @@ def main(argv: list[str]) -> None:
   except ImportError:
     parser.error("serializing needs flatbuffers: pip install -e '.[export]' "
                  "(in a clone) or pip install 'flaxformer_mini[export]'.")
-  if os.path.exists(args.out) and not os.path.isdir(args.out):
-    parser.error(f'--out={args.out}: a file, not a folder.')
+  try:
+    disk.check_new_folder(args.out)  # before the run is read
+  except disk.FolderExists as e:
+    parser.error(f'--out={e}')
   # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
@@ -148,15 +151,17 @@ def main(argv: list[str]) -> None:
   exported = export_search(params, run.config, beam_size=args.beam_size,
                            alpha=alpha, stopping=stopping)
   try:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, ARTIFACT), 'wb') as f:
-      f.write(exported.serialize())
-    np.savez(os.path.join(args.out, PARAMS), *jax.tree.leaves(params))
-    shutil.copyfile(os.path.join(args.workdir, vocabulary),
-                    os.path.join(args.out, vocabulary))
-    with open(os.path.join(args.out, SIGNATURE), 'w', encoding='utf-8') as f:
-      json.dump(signature(run.config, args.beam_size, alpha, stopping), f,
-                indent=1)
+    with disk.new_folder(args.out) as folder:
+      with open(os.path.join(folder, ARTIFACT), 'wb') as f:
+        f.write(exported.serialize())
+      np.savez(os.path.join(folder, PARAMS), *jax.tree.leaves(params))
+      shutil.copyfile(os.path.join(args.workdir, vocabulary),
+                      os.path.join(folder, vocabulary))
+      with open(os.path.join(folder, SIGNATURE), 'w', encoding='utf-8') as f:
+        json.dump(signature(run.config, args.beam_size, alpha, stopping), f,
+                  indent=1)
+  except disk.FolderExists as e:
+    parser.error(f'--out={e}')
   except OSError as e:
     parser.error(f'--out={args.out}: cannot be written ({e.strerror}).')
   print(f'exported the search of {args.workdir} (step {run.step}, '

@@ -5,11 +5,15 @@
 writes into --out (a new folder) a CTranslate2 model of the run's
 parameters and its SentencePiece model, spm.model, to tokenize with:
 
-    import ctranslate2, sentencepiece
-    translator = ctranslate2.Translator('ct2/')
+    import os, ctranslate2, sentencepiece
+    # On a CPU, one worker per core on one thread each: translate_batch's
+    # batches of max_batch_size lines run side by side.
+    translator = ctranslate2.Translator('ct2/', inter_threads=os.cpu_count(),
+                                        intra_threads=1)
     vocab = sentencepiece.SentencePieceProcessor(model_file='ct2/spm.model')
     pieces = [vocab.encode(line, out_type=str) for line in lines]
-    results = translator.translate_batch(pieces, beam_size=4)
+    results = translator.translate_batch(pieces, beam_size=4,
+                                         max_batch_size=64)
     print([vocab.decode(r.hypotheses[0]) for r in results])
 
 The model is the same function: teacher-forced log-probabilities agree
@@ -23,12 +27,12 @@ beam_size hypotheses have finished.
 import importlib.util
 import os
 import shutil
-import tempfile
 
 import jax
 import numpy as np
 
 from flaxformer_mini import cli
+from flaxformer_mini import disk
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.embeddings import sinusoidal_positions
 
@@ -41,17 +45,6 @@ QUANTIZATIONS = ('float32', 'int8', 'int8_float32', 'int8_float16',
 
 class ConversionError(ValueError):
   """The run cannot be written as a CTranslate2 model (one line: why)."""
-
-
-class OutputExists(ConversionError):
-  """--out names something that exists: nothing is written over it."""
-
-
-def check_new(out: str) -> None:
-  """Raises OutputExists unless `out` is free for a new folder."""
-  if os.path.lexists(out):
-    raise OutputExists(f'--out={out} exists; name a new folder (nothing '
-                       'there was changed).')
 
 
 def transformer_spec(params, config: TransformerConfig, pieces: list[str]):
@@ -168,29 +161,18 @@ def convert(params, config: TransformerConfig, pieces: list[str], out: str,
   place.
 
   Raises:
-    ConversionError: the run cannot be expressed (OutputExists: `out`
-      exists).
+    ConversionError: the run cannot be expressed.
+    disk.FolderExists: `out` exists (nothing there was changed).
     OSError: `out`'s parent cannot be written.
   """
-  check_new(out)
+  disk.check_new_folder(out)  # before the conversion's work
   spec = transformer_spec(params, config, pieces)
   spec.validate()
   spec.optimize(quantization=quantization)
-  parent = os.path.dirname(os.path.abspath(out))
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix='.ctranslate2-', dir=parent)
-  try:
-    # Built in a folder of its own inside the staging one: mkdtemp's is
-    # readable by its owner only, and a server that runs as another user
-    # must read the model.
-    building = os.path.join(staging, 'model')
-    os.mkdir(building)
-    spec.save(building)
+  with disk.new_folder(out) as folder:
+    spec.save(folder)
     for path in files:
-      shutil.copyfile(path, os.path.join(building, os.path.basename(path)))
-    os.rename(building, out)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+      shutil.copyfile(path, os.path.join(folder, os.path.basename(path)))
 
 
 def main(argv: list[str]) -> None:
@@ -213,9 +195,9 @@ def main(argv: list[str]) -> None:
                  "'.[ctranslate2]' (in a clone) or pip install "
                  "'flaxformer_mini[ctranslate2]'.")
   try:
-    check_new(args.out)  # before the run is read
-  except OutputExists as e:
-    parser.error(str(e))
+    disk.check_new_folder(args.out)  # before the run is read
+  except disk.FolderExists as e:
+    parser.error(f'--out={e}')
   # pylint: disable-next=g-import-not-at-top
   from flaxformer_mini import workdir as workdir_lib
   run = cli.load_translation_run(parser, args.workdir, args.params)
@@ -225,8 +207,8 @@ def main(argv: list[str]) -> None:
   try:
     convert(run.params, run.config, pieces, args.out, args.quantization,
             files=(os.path.join(args.workdir, vocabulary),))
-  except OutputExists as e:
-    parser.error(str(e))
+  except disk.FolderExists as e:
+    parser.error(f'--out={e}')
   except ConversionError as e:
     parser.error(f'--workdir={args.workdir}: {e}')
   except OSError as e:

@@ -81,13 +81,23 @@ def test_an_exported_search_translates_as_the_command_without_the_package(
   assert len(consumer.stdout.split('\n')) == len(lines) + 1
 
 
-def test_export_refuses_a_file_as_its_folder_in_one_line(tiny_run, tmp_path):
+def test_export_refuses_an_existing_out_in_one_line(tiny_run, tmp_path):
   workdir, _ = tiny_run
-  target = tmp_path / 'file'
-  target.write_text('x')
-  result = subprocess.run(
-      [sys.executable, '-m', 'flaxformer_mini.export', f'--workdir={workdir}',
-       f'--out={target}'], capture_output=True, text=True, cwd=ROOT)
-  assert result.returncode == 2
-  assert result.stderr == (f'python -m flaxformer_mini.export: error: '
-                           f'--out={target}: a file, not a folder.\n')
+  for target in (tmp_path / 'file', tmp_path / 'earlier'):
+    if target.name == 'file':
+      target.write_text('x')
+    else:
+      target.mkdir()
+      (target / 'search.jax_export').write_text('an earlier export')
+    result = subprocess.run(
+        [sys.executable, '-m', 'flaxformer_mini.export',
+         f'--workdir={workdir}', f'--out={target}'],
+        capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f'python -m flaxformer_mini.export: error: --out={target} exists; '
+        'name a new folder (nothing there was changed).\n')
+  assert (tmp_path / 'file').read_text() == 'x'
+  assert os.listdir(tmp_path / 'earlier') == ['search.jax_export']
+  assert (tmp_path / 'earlier' / 'search.jax_export').read_text() == (
+      'an earlier export')

@@ -559,6 +559,59 @@ def test_a_file_is_written_whole_or_left_as_it_was(tmp_path):
   assert os.listdir(tmp_path) == ['run.json']
 
 
+def test_a_new_folder_appears_whole_with_the_mode_of_any_new_folder(
+    tmp_path):
+  # disk.new_folder, the export commands' --out: filled beside its place,
+  # renamed there; readable by whoever may read a new folder here (a server
+  # running as another user), not by its owner only, as a temporary one is.
+  path = str(tmp_path / 'model')
+  with pytest.raises(ZeroDivisionError):
+    with disk.new_folder(path) as folder:
+      open(os.path.join(folder, 'half'), 'w').write('written')
+      1 / 0  # pylint: disable=pointless-statement
+  assert os.listdir(tmp_path) == []
+  with disk.new_folder(path) as folder:
+    assert not os.path.exists(path)
+    open(os.path.join(folder, 'weights'), 'w').write('whole')
+  os.mkdir(tmp_path / 'any')
+  mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777
+  assert mode('model') == mode('any')
+  assert sorted(os.listdir(tmp_path)) == ['any', 'model']
+  assert os.listdir(path) == ['weights']
+  with pytest.raises(disk.FolderExists, match=(
+      r'^.*/model exists; name a new folder \(nothing there was changed\)\.$')):
+    with disk.new_folder(path):
+      pass
+  assert os.listdir(path) == ['weights']
+
+
+def test_a_folder_made_at_a_new_folders_place_meanwhile_is_never_replaced(
+    tmp_path, monkeypatch):
+  # os.rename replaces an empty folder: one made at the place after the
+  # check is refused and left as it was made; a file put into the place
+  # just before the rename stays there.
+  path = str(tmp_path / 'model')
+  with pytest.raises(disk.FolderExists, match='model exists; name a new'):
+    with disk.new_folder(path) as folder:
+      open(os.path.join(folder, 'weights'), 'w').write('ours')
+      os.mkdir(path)
+  assert os.listdir(path) == []
+  assert os.listdir(tmp_path) == ['model']
+  os.rmdir(path)
+  rename = os.rename
+
+  def rename_after_someone_writes_there(source, target):
+    (tmp_path / 'model' / 'theirs').write_text('kept')
+    return rename(source, target)
+
+  monkeypatch.setattr(disk.os, 'rename', rename_after_someone_writes_there)
+  with pytest.raises(OSError):
+    with disk.new_folder(path) as folder:
+      open(os.path.join(folder, 'weights'), 'w').write('ours')
+  assert os.listdir(path) == ['theirs']
+  assert os.listdir(tmp_path) == ['model']
+
+
 @needs_multi30k
 def test_a_full_disk_is_one_line(tiny_run, tmp_path):
   # [translate_disk_full] `> /dev/full`, with more output than Python's

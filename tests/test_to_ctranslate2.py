@@ -79,19 +79,6 @@ def test_ctranslate2_scores_as_the_model(changes, tmp_path):
     np.testing.assert_allclose(theirs.log_probs, ours, atol=1e-5, rtol=0)
 
 
-def test_the_model_folder_is_made_as_any_new_folder(tmp_path):
-  """Readable by whoever may read a new folder here (a server running as
-  another user), not by its owner only, as a temporary folder is; and
-  nothing is left beside it."""
-  config = _config()
-  to_ctranslate2.convert(init_params(config, jax.random.key(0)), config,
-                         _PIECES, str(tmp_path / 'ct2'))
-  os.mkdir(tmp_path / 'any')
-  mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777
-  assert mode('ct2') == mode('any')
-  assert sorted(os.listdir(tmp_path)) == ['any', 'ct2']
-
-
 def test_a_vocabulary_that_does_not_fit_the_model_is_refused(tmp_path):
   config = _config()
   params = init_params(config, jax.random.key(0))
