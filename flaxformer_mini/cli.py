@@ -52,6 +52,16 @@ def load_translation_run(parser, workdir: str, which: str):
     parser.error(str(e))
 
 
+def out_error(out: str, error: OSError) -> str:
+  """The error line for --out=`out`, a new folder (`disk.new_folder`), that
+  `error` (disk.FolderExists or another OSError) refused."""
+  # pylint: disable-next=g-import-not-at-top
+  from flaxformer_mini import disk
+  if isinstance(error, disk.FolderExists):
+    return f'--out={error}'
+  return f'--out={out}: cannot be written ({error.strerror}).'
+
+
 def positive_int(text: str) -> int:
   """An argparse type: an integer of at least 1."""
   value = int(text)

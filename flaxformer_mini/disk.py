@@ -72,9 +72,19 @@ class FolderExists(FileExistsError):
 
 
 def check_new_folder(path: str) -> None:
-  """Raises FolderExists unless `path` is free for a new folder."""
+  """Raises FolderExists where `path` exists, NotADirectoryError where a
+  file is where a folder above it would be, PermissionError where the
+  nearest folder above it that exists cannot be written: the cheap checks,
+  before work whose result would have nowhere to go."""
   if os.path.lexists(path):
     raise _exists(path)
+  above = os.path.dirname(os.path.abspath(path))
+  while not os.path.lexists(above):
+    above = os.path.dirname(above)
+  if not os.path.isdir(above):
+    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), above)
+  if not os.access(above, os.W_OK | os.X_OK):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), above)
 
 
 def _exists(path: str) -> FolderExists:
@@ -92,10 +102,16 @@ def new_folder(path: str):
   Raises:
     FolderExists: `path` exists, before the block or once it ends (made
       meanwhile: it is refused, never replaced).
+    OSError: `path` cannot be made (NotADirectoryError: a file is where a
+      folder above it would be).
   """
   check_new_folder(path)
   parent = os.path.dirname(os.path.abspath(path))
-  os.makedirs(parent, exist_ok=True)
+  try:
+    os.makedirs(parent, exist_ok=True)
+  except FileExistsError as e:  # a file where a folder above `path` would be
+    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
+                             e.filename) from e
   staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}-', dir=parent)
   try:
     # Filled in a folder of its own inside the staging one: mkdtemp's is

@@ -136,8 +136,8 @@ def main(argv: list[str]) -> None:
                  "(in a clone) or pip install 'flaxformer_mini[export]'.")
   try:
     disk.check_new_folder(args.out)  # before the run is read
-  except disk.FolderExists as e:
-    parser.error(f'--out={e}')
+  except OSError as e:
+    parser.error(cli.out_error(args.out, e))
   # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
@@ -160,10 +160,8 @@ def main(argv: list[str]) -> None:
       with open(os.path.join(folder, SIGNATURE), 'w', encoding='utf-8') as f:
         json.dump(signature(run.config, args.beam_size, alpha, stopping), f,
                   indent=1)
-  except disk.FolderExists as e:
-    parser.error(f'--out={e}')
   except OSError as e:
-    parser.error(f'--out={args.out}: cannot be written ({e.strerror}).')
+    parser.error(cli.out_error(args.out, e))
   print(f'exported the search of {args.workdir} (step {run.step}, '
         f'{run.which} parameters, beam {args.beam_size}, alpha {alpha}) to '
         f'{args.out}')

@@ -196,8 +196,8 @@ def main(argv: list[str]) -> None:
                  "'flaxformer_mini[ctranslate2]'.")
   try:
     disk.check_new_folder(args.out)  # before the run is read
-  except disk.FolderExists as e:
-    parser.error(f'--out={e}')
+  except OSError as e:
+    parser.error(cli.out_error(args.out, e))
   # pylint: disable-next=g-import-not-at-top
   from flaxformer_mini import workdir as workdir_lib
   run = cli.load_translation_run(parser, args.workdir, args.params)
@@ -207,12 +207,10 @@ def main(argv: list[str]) -> None:
   try:
     convert(run.params, run.config, pieces, args.out, args.quantization,
             files=(os.path.join(args.workdir, vocabulary),))
-  except disk.FolderExists as e:
-    parser.error(f'--out={e}')
   except ConversionError as e:
     parser.error(f'--workdir={args.workdir}: {e}')
   except OSError as e:
-    parser.error(f'--out={args.out}: cannot be written ({e.strerror}).')
+    parser.error(cli.out_error(args.out, e))
   print(f'wrote {args.workdir} (step {run.step}, {run.which} parameters) as '
         f'a CTranslate2 model ({args.quantization}) to {args.out}')
 

@@ -81,7 +81,7 @@ def test_an_exported_search_translates_as_the_command_without_the_package(
   assert len(consumer.stdout.split('\n')) == len(lines) + 1
 
 
-def test_export_refuses_an_existing_out_in_one_line(tiny_run, tmp_path):
+def test_export_refuses_an_out_that_exists_or_cannot_be_made_in_one_line(tiny_run, tmp_path):
   workdir, _ = tiny_run
   for target in (tmp_path / 'file', tmp_path / 'earlier'):
     if target.name == 'file':
@@ -97,6 +97,14 @@ def test_export_refuses_an_existing_out_in_one_line(tiny_run, tmp_path):
     assert result.stderr == (
         f'python -m flaxformer_mini.export: error: --out={target} exists; '
         'name a new folder (nothing there was changed).\n')
+  under_a_file = tmp_path / 'file' / 'exported'
+  result = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_mini.export', f'--workdir={workdir}',
+       f'--out={under_a_file}'], capture_output=True, text=True, cwd=ROOT)
+  assert result.returncode == 2
+  assert result.stderr == (
+      f'python -m flaxformer_mini.export: error: --out={under_a_file}: cannot '
+      'be written (Not a directory).\n')
   assert (tmp_path / 'file').read_text() == 'x'
   assert os.listdir(tmp_path / 'earlier') == ['search.jax_export']
   assert (tmp_path / 'earlier' / 'search.jax_export').read_text() == (

@@ -585,6 +585,18 @@ def test_a_new_folder_appears_whole_with_the_mode_of_any_new_folder(
   assert os.listdir(path) == ['weights']
 
 
+def test_a_new_folder_under_a_file_is_refused_before_any_work(tmp_path):
+  (tmp_path / 'file').write_text('x')
+  for path in (tmp_path / 'file' / 'model', tmp_path / 'file' / 'a' / 'b'):
+    with pytest.raises(NotADirectoryError, match=r'Not a directory: .*/file'):
+      disk.check_new_folder(str(path))
+    with pytest.raises(NotADirectoryError):
+      with disk.new_folder(str(path)):
+        pass
+  disk.check_new_folder(str(tmp_path / 'a' / 'b'))  # made when written
+  assert os.listdir(tmp_path) == ['file']
+
+
 def test_a_folder_made_at_a_new_folders_place_meanwhile_is_never_replaced(
     tmp_path, monkeypatch):
   # os.rename replaces an empty folder: one made at the place after the
