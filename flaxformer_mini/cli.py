@@ -10,6 +10,8 @@ import importlib.util
 import math
 import os
 
+from flaxformer_mini import disk
+
 # What `pip install '.[translate]'` adds, by import name (array_record, the
 # prepared data's format, comes with grain, a dependency of every install).
 TRANSLATION_MODULES = ('tensorflow_datasets', 'sentencepiece', 'sacrebleu')
@@ -55,8 +57,6 @@ def load_translation_run(parser, workdir: str, which: str):
 def out_error(out: str, error: OSError) -> str:
   """The error line for --out=`out`, a new folder (`disk.new_folder`), that
   `error` (disk.FolderExists or another OSError) refused."""
-  # pylint: disable-next=g-import-not-at-top
-  from flaxformer_mini import disk
   if isinstance(error, disk.FolderExists):
     return f'--out={error}'
   return f'--out={out}: cannot be written ({error.strerror}).'

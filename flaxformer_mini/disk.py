@@ -102,16 +102,11 @@ def new_folder(path: str):
   Raises:
     FolderExists: `path` exists, before the block or once it ends (made
       meanwhile: it is refused, never replaced).
-    OSError: `path` cannot be made (NotADirectoryError: a file is where a
-      folder above it would be).
+    OSError: `path` cannot be made (`check_new_folder`).
   """
   check_new_folder(path)
   parent = os.path.dirname(os.path.abspath(path))
-  try:
-    os.makedirs(parent, exist_ok=True)
-  except FileExistsError as e:  # a file where a folder above `path` would be
-    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR),
-                             e.filename) from e
+  os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(path)}-', dir=parent)
   try:
     # Filled in a folder of its own inside the staging one: mkdtemp's is

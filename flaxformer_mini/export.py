@@ -2,8 +2,8 @@
 
   python -m flaxformer_mini.export --workdir runs/translate --out exported/
 
-writes into --out (a new folder) what a program needs to translate without this package
-(or flax): jax, numpy, and sentencepiece for text.
+writes into --out (a new folder) what a program needs to translate without
+this package (or flax): jax, numpy, and sentencepiece for text.
 
   search.jax_export  the encoder and the beam search, serialized
                      (jax.export): any batch, any source length up to the
