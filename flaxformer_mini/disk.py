@@ -75,7 +75,10 @@ def check_new_folder(path: str) -> None:
   """Raises FolderExists where `path` exists, NotADirectoryError where a
   file is where a folder above it would be, PermissionError where the
   nearest folder above it that exists cannot be written: the cheap checks,
-  before work whose result would have nowhere to go."""
+  before work whose result would have nowhere to go (FileNotFoundError:
+  `path` is empty)."""
+  if not path:
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
   if os.path.lexists(path):
     raise _exists(path)
   above = os.path.dirname(os.path.abspath(path))

@@ -594,6 +594,8 @@ def test_a_new_folder_under_a_file_is_refused_before_any_work(tmp_path):
       with disk.new_folder(str(path)):
         pass
   disk.check_new_folder(str(tmp_path / 'a' / 'b'))  # made when written
+  with pytest.raises(FileNotFoundError):  # --out= with nothing after it
+    disk.check_new_folder('')
   assert os.listdir(tmp_path) == ['file']
 
 
