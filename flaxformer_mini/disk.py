@@ -100,7 +100,8 @@ def new_folder(path: str):
   """Yields an empty folder to fill, which becomes the new folder `path`
   once the block ends without an error, all or nothing: it is filled beside
   `path` and renamed into place, so no reader sees it half written, and an
-  error leaves nothing behind.
+  error leaves nothing of it behind (folders above `path` that were missing
+  are made first, and stay).
 
   Raises:
     FolderExists: `path` exists, before the block or once it ends (made

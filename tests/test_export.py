@@ -81,7 +81,8 @@ def test_an_exported_search_translates_as_the_command_without_the_package(
   assert len(consumer.stdout.split('\n')) == len(lines) + 1
 
 
-def test_export_refuses_an_out_that_exists_or_cannot_be_made_in_one_line(tiny_run, tmp_path):
+def test_export_refuses_an_out_that_exists_or_cannot_be_made_in_one_line(
+    tiny_run, tmp_path):
   workdir, _ = tiny_run
   for target in (tmp_path / 'file', tmp_path / 'earlier'):
     if target.name == 'file':
