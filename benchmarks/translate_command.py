@@ -188,23 +188,23 @@ def counted_row_steps(runs, beams: int) -> dict:
   first, later = jitted['_jit_first_stage'], jitted['_jit_later_stage']
   advance = jitted['_jit_advance']
 
-  # A stage's step is int32[devices]: each device searches len(src) /
-  # devices rows for its own number of steps.
-  def stage_row_steps(src, steps):
-    return len(src) // len(steps) * beams * int(steps.sum())
+  # A stage's step is int32[devices]: each device searches rows / devices
+  # rows for its own number of steps.
+  def stage_row_steps(rows, steps):
+    return rows // len(steps) * beams * int(steps.sum())
 
   def first_stage(params, src, **static):
-    state = first(params, src, **static)
+    state, context = first(params, src, **static)
     counts['row_steps']['stages'] += stage_row_steps(
-        src, np.asarray(state.step))
-    return state
+        len(src), np.asarray(state.step))
+    return state, context
 
-  def later_stage(params, src, state, keep, **static):
+  def later_stage(params, state, context, keep, **static):
     step = np.asarray(state.step)
-    state = later(params, src, state, keep, **static)
+    state, context = later(params, state, context, keep, **static)
     counts['row_steps']['stages'] += stage_row_steps(
-        src, np.asarray(state.step) - step)
-    return state
+        len(keep), np.asarray(state.step) - step)
+    return state, context
 
   def advance_slots(params, state, until_done, **static):
     step, done = np.asarray(state.step), np.asarray(state.done)

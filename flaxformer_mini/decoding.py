@@ -5,7 +5,9 @@ its output are projected once; then the decoder runs one token at a time,
 reading and extending its key/value cache, inside the model-agnostic searches
 of `search.py`: `greedy_decode`, `sample_decode` and `beam_decode` are those
 searches with Transformer(config). They are plain traceable functions, so
-other JAX code calls them under jax.jit, vmap or a mesh. `slot_cache` and
+other JAX code calls them under jax.jit, vmap or a mesh. `source_context`
+runs the encoder and `context_tokens_to_logits` steps the decoder on what it
+gave, for a search in several calls; `slot_cache` and
 `slot_tokens_to_logits` give `search.py`'s slots (continuous batching) the
 Transformer. Translating many sentences on the host (batches by length,
 stages or slots, compiled programs kept per shape) is `translation.py`.
@@ -111,6 +113,47 @@ def _saying_vocab_size(tokens_to_logits, config: TransformerConfig):
   return tokens_to_logits
 
 
+def source_context(params, src, config: TransformerConfig):
+  """What the decoder reads of the sources src at every step but never changes.
+
+  src: int32[batch, src_len] -> {'cross_kv': every decoder layer's
+  cross-attention keys and values of the encoder output
+  (`project_cross_kv`), 'src_mask': bool[batch, 1, 1, src_len]}, one row per
+  sentence. The encoder runs here, once; a search that narrows to some of
+  its sentences takes their rows of this instead of encoding them again.
+  """
+  check_src(src, config)
+  src_mask = padding_mask(src, config.pad_id)
+  encoded = Transformer(config).apply({'params': params}, src, src_mask,
+                                      method=Transformer.encode)
+  return {'cross_kv': project_cross_kv(params, config, encoded, src_mask),
+          'src_mask': src_mask}
+
+
+def _decoder_step(params, config: TransformerConfig, tokens, cache, context):
+  """One incremental step of the decoder, reading `context`
+  (`source_context`) -> (float32[rows, vocab] logits, new cache)."""
+  # Cross-attention reads its keys and values from 'cross_kv': the
+  # encoder output itself is never read, only its shape.
+  unread = jnp.zeros(tokens.shape + (config.d_model,), config.dtype)
+  logits, variables = Transformer(config).apply(
+      {'params': params, 'cache': cache, 'cross_kv': context['cross_kv']},
+      unread, context['src_mask'], tokens, incremental=True,
+      mutable=['cache'], method=Transformer.decode)
+  return logits[:, -1], variables['cache']
+
+
+def context_tokens_to_logits(params, config: TransformerConfig,
+                             context) -> TokensToLogits:
+  """The decoder of Transformer(config) as a one-step function with a cache,
+  reading the sources' `context` (`source_context`, one row per sentence):
+  see `transformer_tokens_to_logits`."""
+  def tokens_to_logits(tokens, cache):
+    return _decoder_step(params, config, tokens, cache, context)
+
+  return _saying_vocab_size(tokens_to_logits, config)
+
+
 def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
                                  src_mask) -> TokensToLogits:
   """The decoder of Transformer(config) as a one-step function with a cache.
@@ -132,17 +175,9 @@ def transformer_tokens_to_logits(params, config: TransformerConfig, encoded,
     its k rows' queries read together (`attention.grouped_attention`):
     repeating them per beam would read them k times at every step.
   """
-  model = Transformer(config)
-  cross_kv = project_cross_kv(params, config, encoded, src_mask)
-
-  def tokens_to_logits(tokens, cache):
-    logits, variables = model.apply(
-        {'params': params, 'cache': cache, 'cross_kv': cross_kv}, encoded,
-        src_mask, tokens, incremental=True, mutable=['cache'],
-        method=Transformer.decode)
-    return logits[:, -1], variables['cache']
-
-  return _saying_vocab_size(tokens_to_logits, config)
+  return context_tokens_to_logits(params, config, {
+      'cross_kv': project_cross_kv(params, config, encoded, src_mask),
+      'src_mask': src_mask})
 
 
 def slot_cache(params, src, config: TransformerConfig, max_len: int):
@@ -150,21 +185,14 @@ def slot_cache(params, src, config: TransformerConfig, max_len: int):
 
   src: int32[k, src_len] -> (cache, context) as `search.start_slots` and
   `search.fill_slots` take them, each leaf [k, ...]: the cache is the
-  decoder's, empty, for max_len steps (`init_cache`); the context every
-  decoder layer's cross-attention keys and values of the encoder output
-  (`project_cross_kv`) and the source mask bool[k, 1, 1, src_len]. A
-  slot's source changes when it is refilled, so what the decoder attends
-  to travels with the state, not in the step function
+  decoder's, empty, for max_len steps (`init_cache`); the context is
+  `source_context`'s. A slot's source changes when it is refilled, so what
+  the decoder attends to travels with the state, not in the step function
   (`slot_tokens_to_logits`).
   """
-  check_src(src, config)
   check_max_len(config, max_len)
-  src_mask = padding_mask(src, config.pad_id)
-  encoded = Transformer(config).apply({'params': params}, src, src_mask,
-                                      method=Transformer.encode)
-  return (init_cache(config, src.shape[0], max_len),
-          {'cross_kv': project_cross_kv(params, config, encoded, src_mask),
-           'src_mask': src_mask})
+  context = source_context(params, src, config)  # src checked first
+  return init_cache(config, src.shape[0], max_len), context
 
 
 def slot_tokens_to_logits(params, config: TransformerConfig, max_len: int):
@@ -173,22 +201,13 @@ def slot_tokens_to_logits(params, config: TransformerConfig, max_len: int):
   logits, new cache), each slot's beams reading its source from its
   context together (`slot_cache`, one row per slot: rows = slots * beams,
   `attention.grouped_attention`)."""
-  model = Transformer(config)
-
   def tokens_to_logits(tokens, cache, context):
     # A slot whose sentence is done steps on with the others until it is
     # refilled; its position must stay inside the positional table.
     decoder = cache['decoder']
     cache = {'decoder': {**decoder, 'position': jnp.minimum(
         decoder['position'], max_len - 1)}}
-    # Cross-attention reads its keys and values from 'cross_kv': the
-    # encoder output itself is never read, only its shape.
-    unread = jnp.zeros(tokens.shape + (config.d_model,), config.dtype)
-    logits, variables = model.apply(
-        {'params': params, 'cache': cache, 'cross_kv': context['cross_kv']},
-        unread, context['src_mask'], tokens, incremental=True,
-        mutable=['cache'], method=Transformer.decode)
-    return logits[:, -1], variables['cache']
+    return _decoder_step(params, config, tokens, cache, context)
 
   return _saying_vocab_size(tokens_to_logits, config)
 
@@ -233,12 +252,9 @@ def encoded_for_search(params, src, config: TransformerConfig, max_len: int):
   batch * k rows, k per sentence (beams or samples), consecutive, the empty
   cache for [batch, ...] and max_len steps).
   """
-  check_src(src, config)
   check_max_len(config, max_len)
-  src_mask = padding_mask(src, config.pad_id)
-  encoded = Transformer(config).apply({'params': params}, src, src_mask,
-                                      method=Transformer.encode)
-  return (transformer_tokens_to_logits(params, config, encoded, src_mask),
+  return (context_tokens_to_logits(params, config,
+                                   source_context(params, src, config)),
           init_cache(config, src.shape[0], max_len))
 
 

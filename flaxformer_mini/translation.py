@@ -25,11 +25,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flaxformer_mini.config import TransformerConfig
 from flaxformer_mini.decoding import (cache_windows, check_max_len,
-                                      default_max_len, encoded_for_search,
-                                      greedy_decode, init_cache, own_limits,
-                                      sample_decode,
+                                      context_tokens_to_logits,
+                                      default_max_len, greedy_decode,
+                                      init_cache, own_limits, sample_decode,
                                       slot_cache, slot_tokens_to_logits,
-                                      tokens_before_eos)
+                                      source_context, tokens_before_eos)
 from flaxformer_mini.search import (BeamState, check_stopping, fill_slots,
                                     run_beam_search, run_slots,
                                     start_beam_search, start_slots,
@@ -48,20 +48,16 @@ def _start_beams(src, config: TransformerConfig, beam_size: int,
                            limits=own_limits(src, config, max_len))
 
 
-def _run_beams(params, src, state: BeamState, config: TransformerConfig,
+def _run_beams(params, context, state: BeamState, config: TransformerConfig,
                alpha: float, until_searching: int, finished_first: bool,
                stopping: str, grow_cache: bool,
                past_windows: bool = True) -> BeamState:
-  """`run_beam_search` with Transformer(config) on the sources src, one row
-  per item of `state` (after `take_items`, the sources of the items kept),
-  with grow_cache its cache grown window by window (`cache_windows`;
-  past_windows: see `run_beam_search`).
-  The encoder runs on src again, once per stage: one pass, cheap next to the
-  decoder's steps."""
-  tokens_to_logits, _ = encoded_for_search(params, src, config,
-                                            state.max_len)
+  """`run_beam_search` with Transformer(config) reading the sources'
+  `context` (`source_context`), one row per item of `state`, with grow_cache
+  its cache grown window by window (`cache_windows`; past_windows: see
+  `run_beam_search`)."""
   return run_beam_search(
-      tokens_to_logits, state, alpha=alpha, bos_id=config.bos_id,
+      context_tokens_to_logits(params, config, context), state, alpha=alpha, bos_id=config.bos_id,
       eos_id=config.eos_id, pad_id=config.pad_id,
       until_searching=until_searching, finished_first=finished_first,
       stopping=stopping,
@@ -83,35 +79,39 @@ def _on_devices(per_device, mesh: Mesh, in_specs):
 
 
 def _first_stage(params, src, *, mesh: Mesh, config: TransformerConfig,
-                 beam_size: int, max_len: int, **search) -> BeamState:
+                 beam_size: int, max_len: int, **search):
   """The beam search of the sources src: int32[rows, src_len] from its start
   until, on each device, at most search['until_searching'] of its items are
   still searching, or, where a later stage follows (until_searching > 0), at
-  the end of its cache's last window. The state's step is int32[devices],
-  each device's."""
+  the end of its cache's last window -> (the BeamState, its step
+  int32[devices], each device's; the sources' `source_context`, for a later
+  stage)."""
   def per_device(params, src):
+    context = source_context(params, src, config)
     state = _start_beams(src, config, beam_size, max_len)
     # Its loop over the whole cache would cost the compile a loop body
     # (about 1.5 s of a cold command, docs/performance.md) for steps that
     # the Multi30k sets' first stages never reach: a later stage takes
     # them instead.
-    state = _run_beams(params, src, state, config,
+    state = _run_beams(params, context, state, config,
                        past_windows=not search['until_searching'], **search)
-    return state.replace(step=state.step[None])
+    return state.replace(step=state.step[None]), context
   return _on_devices(per_device, mesh, (P(), _ROWS))(params, src)
 
 
-def _later_stage(params, src, state: BeamState, items, *, mesh: Mesh,
-                 config: TransformerConfig, **search) -> BeamState:
+def _later_stage(params, state: BeamState, context, items, *, mesh: Mesh,
+                 config: TransformerConfig, **search):
   """The search of `state`'s items `items` (int32[rows], each device's
-  indices into its own rows) alone, on from its step; src: int32[rows,
-  src_len], those items' sources."""
-  def per_device(params, src, state, items):
+  indices into its own rows) alone, on from its step, reading their rows of
+  the stage before's `context`: the encoder does not run again ->
+  (BeamState, context) as `_first_stage`'s."""
+  def per_device(params, state, context, items):
     state = take_items(state.replace(step=state.step[0]), items)
-    state = _run_beams(params, src, state, config, **search)
-    return state.replace(step=state.step[None])
+    context = jax.tree.map(lambda leaf: leaf[items], context)
+    state = _run_beams(params, context, state, config, **search)
+    return state.replace(step=state.step[None]), context
   return _on_devices(per_device, mesh, (P(), _ROWS, _ROWS, _ROWS))(
-      params, src, state, items)
+      params, state, context, items)
 
 
 def _start_slots(params, *, config: TransformerConfig, slots: int,
@@ -243,19 +243,18 @@ def _put_rows(mesh: Mesh, rows):
   return jax.device_put(rows, NamedSharding(mesh, _ROWS))
 
 
-def _later_stage_arguments(params, src, rows: int, mesh: Mesh, state):
-  """The arguments of the later stage that follows a first stage on `src`,
-  `rows` items per device, as shapes: (params, their sources, the first
-  stage's state, the items kept); state: the first stage's result as
+def _later_stage_arguments(params, rows: int, mesh: Mesh, first):
+  """The arguments of the later stage that follows a first stage, `rows`
+  items per device, as shapes: (params, the first stage's state and
+  context, the items kept); first: the first stage's result as
   jax.ShapeDtypeStructs."""
   def on_rows(shape, dtype, weak_type=False):
     return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type,
                                 sharding=NamedSharding(mesh, _ROWS))
-  rows *= mesh.devices.size
-  return (params, on_rows((rows,) + src.shape[1:], src.dtype),
-          jax.tree.map(lambda s: on_rows(s.shape, s.dtype, s.weak_type),
-                       state),
-          on_rows((rows,), jnp.int32))
+  state, context = jax.tree.map(
+      lambda s: on_rows(s.shape, s.dtype, s.weak_type), first)
+  return params, state, context, on_rows((rows * mesh.devices.size,),
+                                         jnp.int32)
 
 
 def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
@@ -291,10 +290,11 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
     # both at once (the later one's tracing and compiling beside the first
     # one's lowering and compiling).
     programs.ahead('later_stage', _jit_later_stage, functools.partial(
-        _later_stage_arguments, params, on_devices, next_rows, mesh),
+        _later_stage_arguments, params, next_rows, mesh),
                    after='first_stage', until_searching=_next_rows(next_rows),
                    **search)
-  state = programs('first_stage', _jit_first_stage, params, on_devices,
+  state, context = programs('first_stage', _jit_first_stage, params,
+                            on_devices,
                    beam_size=beam_size, max_len=max_len,
                    until_searching=next_rows, **search)
   yield
@@ -320,10 +320,10 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
         np.repeat(np.arange(devices), width), keep]
     rows = width
     next_rows = _next_rows(rows) if shrink else 0
-    state = programs('later_stage', _jit_later_stage, params,
-                     _put_rows(mesh, src[owner]), state,
-                     _put_rows(mesh, keep.astype(np.int32)),
-                     until_searching=next_rows, **search)
+    state, context = programs('later_stage', _jit_later_stage, params,
+                              state, context,
+                              _put_rows(mesh, keep.astype(np.int32)),
+                              until_searching=next_rows, **search)
     yield
 
 

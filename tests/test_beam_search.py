@@ -600,7 +600,7 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
   first = translation._jit_first_stage  # pylint: disable=protected-access
   later = translation._jit_later_stage  # pylint: disable=protected-access
   monkeypatch.setattr(translation, '_jit_first_stage', lambda *a, **kw: (
-      out := first(*a, **kw), ends.append(int(np.max(out.step))))[0])
+      out := first(*a, **kw), ends.append(int(np.max(out[0].step))))[0])
   alone = [translation.translate_ids(state.params, cfg, [ids], beam_size=2,
                                      batch_size=1, stopping='exact')[0]
            for ids in drawn]
@@ -618,8 +618,8 @@ def test_the_translate_command_lets_ended_sentences_leave_with_same_results(
   chosen = sooner[:32 - len(late)] + late
   sources = [drawn[i] for i in chosen]
   monkeypatch.setattr(
-      translation, '_jit_later_stage', lambda params, src, state, keep, **kw: (
-          taken.append(len(keep)), later(params, src, state, keep, **kw))[1])
+      translation, '_jit_later_stage', lambda *args, **kw: (
+          taken.append(len(args[-1])), later(*args, **kw))[1])
   together = translation.translate_ids(state.params, cfg, sources, beam_size=2,
                                        batch_size=32, stopping='exact')
   assert taken == [8]  # those still searching went on in 8 rows
@@ -646,14 +646,14 @@ def test_sentences_still_searching_at_the_first_stage_s_last_window_go_on(
   later = translation._jit_later_stage  # pylint: disable=protected-access
 
   def first_stage(*args, **static):
-    state = first(*args, **static)
+    state, context = first(*args, **static)
     steps.append(np.asarray(state.step).tolist())
-    return state
+    return state, context
 
   monkeypatch.setattr(translation, '_jit_first_stage', first_stage)
   monkeypatch.setattr(
-      translation, '_jit_later_stage', lambda params, src, state, keep, **kw: (
-          taken.append(len(keep)), later(params, src, state, keep, **kw))[1])
+      translation, '_jit_later_stage', lambda *args, **kw: (
+          taken.append(len(args[-1])), later(*args, **kw))[1])
   search_all = functools.partial(translation.translate_ids, params, cfg,
                                  beam_size=2, stopping='exact')
   together = search_all(sources, batch_size=32)
@@ -814,19 +814,19 @@ _EVERY_DEVICE_SCRIPT = textwrap.dedent('''
       cfg, params, sources = pickle.load(f)
     stages, first = [], translation._jit_first_stage
     def first_stage(params, src, **static):
-      state = first(params, src, **static)
+      state, context = first(params, src, **static)
       done = np.asarray(state.done).reshape(8, -1)
       stages.append({'devices': len(state.done.sharding.device_set),
                      'idle': bool(done.all(1).any() and not done.all())})
-      return state
+      return state, context
     translation._jit_first_stage = first_stage
     later = translation._jit_later_stage
-    def later_stage(params, src, state, keep, **static):
-      state = later(params, src, state, keep, **static)
+    def later_stage(params, state, context, keep, **static):
+      state, context = later(params, state, context, keep, **static)
       done = np.asarray(state.done).reshape(8, -1)
       stages.append({'rows': len(keep),
                      'idle': bool(done.all(1).any() and not done.all())})
-      return state
+      return state, context
     translation._jit_later_stage = later_stage
     print(json.dumps({
         'beam': translation.translate_ids(params, cfg, sources, beam_size=2,
