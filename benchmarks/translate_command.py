@@ -285,9 +285,14 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   sources = [vocab.encode(line) for line in test]
   translator = ctranslate2.Translator(folder, compute_type='float32',
                                       **CTRANSLATE2_THREADS)
+  in_bfloat16 = config.replace(dtype='bfloat16')
   runs = {
       'project': lambda: [vocab.decode(ids) for ids in translate_ids(
           trained.params, config, sources, beam_size=beam,
+          batch_size=batch_size, stopping=stopping)],
+      # The same run searched in bfloat16 (the command's --dtype=bfloat16).
+      'project_bfloat16': lambda: [vocab.decode(ids) for ids in translate_ids(
+          trained.params, in_bfloat16, sources, beam_size=beam,
           batch_size=batch_size, stopping=stopping)],
       'ctranslate2_float32': functools.partial(
           _ctranslate2_search, translator, vocab, test, beam, alpha,
@@ -297,10 +302,12 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   searches = {name: {**_rate(len(test), times[name]),
                      **scored(outputs[name], outputs['project'])}
               for name in runs}
-  mine, theirs = times['project'], times['ctranslate2_float32']
-  searches['project_over_ctranslate2_float32'] = {
-      'per_round': [t / m for m, t in zip(mine, theirs)],
-      'of_medians': statistics.median(theirs) / statistics.median(mine)}
+  theirs = times['ctranslate2_float32']
+  for name in ('project', 'project_bfloat16'):
+    searches[f'{name}_over_ctranslate2_float32'] = {
+        'per_round': [t / m for m, t in zip(times[name], theirs)],
+        'of_medians': statistics.median(theirs) / statistics.median(
+            times[name])}
 
   # Where the gap between the searches is: the beam row-steps each takes
   # (the project's against every sentence's own steps to its end, counted
@@ -320,7 +327,7 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
           theirs_best, outputs['ctranslate2_float32'])),
       'microseconds_per_row_step': {
           name: 1e6 * searches[name]['median_s'] / row_steps[name]
-          for name in runs if row_steps[name]}}
+          for name in row_steps if name in runs and row_steps[name]}}
 
   # Whole processes, in turns.
   processes = {}
@@ -341,16 +348,20 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
               str(beam), str(alpha), str(batch_size), str(limit), source,
               target(f'ctranslate2_{compute}')]
     seconds = {'command_cold': [], 'command_warm': [],
+               'command_cold_bfloat16': [], 'command_warm_bfloat16': [],
                'ctranslate2_float32': [], 'ctranslate2_int8': []}
+    # What a command writes: command.txt, or command_bfloat16.txt.
+    written_by = lambda kind: kind.replace('_cold', '').replace('_warm', '')
     for _ in range(rounds):
       for kind in seconds:
-        if kind == 'command_cold':
+        if kind.startswith('command_cold'):
           shutil.rmtree(cache, ignore_errors=True)
-        argv = (command + [f'--compilation_cache={cache}']
+        argv = (command + [f'--compilation_cache={cache}'] +
+                (['--dtype=bfloat16'] if kind.endswith('bfloat16') else [])
                 if kind.startswith('command') else
                 ctranslate2_process(kind.split('_')[1]))
         start = time.perf_counter()
-        with (open(target('command'), 'w', encoding='utf-8')
+        with (open(target(written_by(kind)), 'w', encoding='utf-8')
               if kind.startswith('command') else
               contextlib.nullcontext(subprocess.DEVNULL)) as out:
           subprocess.run(argv, check=True, stdout=out,
@@ -360,12 +371,10 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
     processes[name] = {'lines': len(lines), 'programs': programs, **{
         kind: _rate(len(lines), times_) for kind, times_ in seconds.items()}}
     if name == 'test':  # what each process wrote, against the references
-      for kind in ('command', 'ctranslate2_float32', 'ctranslate2_int8'):
-        with open(target(kind), encoding='utf-8') as f:
+      for timed in seconds:
+        with open(target(written_by(timed)), encoding='utf-8') as f:
           written = f.read().split('\n')[:-1]
-        for timed in ((kind,) if kind != 'command' else
-                      ('command_cold', 'command_warm')):
-          processes[name][timed].update(scored(written, outputs['project']))
+        processes[name][timed].update(scored(written, outputs['project']))
     processes[name]['warm_over_ctranslate2_float32'] = (
         processes[name]['ctranslate2_float32']['median_s'] /
         processes[name]['command_warm']['median_s'])
@@ -398,20 +407,28 @@ def ctranslate2_table(result: dict) -> str:
       f"); medians of {c['rounds']} rounds in turns.", '',
       '| what | input | sentences/s | project ÷ CTranslate2 float32 | BLEU | '
       'same output as the project |', '|---|---|---:|---:|---:|---:|']
-  ratio = s['project_over_ctranslate2_float32']['of_medians']
   for name, label in (('project', 'the search alone, this project'),
+                      ('project_bfloat16', 'the search alone, this project '
+                       'in bfloat16'),
                       ('ctranslate2_float32', 'CTranslate2 float32, search '
                        'alone')):
+    ratio = s.get(f'{name}_over_ctranslate2_float32', {}).get('of_medians')
+    same = ('—' if name == 'project' else
+            f"{s[name]['same_as_project']:,}")
     lines.append(
         f"| {label} | {p['test']['lines']:,} test lines | "
         f"{s[name]['sentences_per_s']:.0f} | "
-        f"{f'{ratio:.2f}x' if name == 'project' else ''} | "
+        f"{f'{ratio:.2f}x' if ratio else ''} | "
         f"{s[name]['bleu']:.2f} | "
-        f"{'—' if name == 'project' else s[name]['same_as_project']} |")
+        f"{same} |")
   for split in ('test', 'train'):
     q = p[split]
     for kind, label in (('command_cold', 'the command, cold process'),
                         ('command_warm', 'the command, warm process'),
+                        ('command_cold_bfloat16', 'the command in bfloat16, '
+                         'cold process'),
+                        ('command_warm_bfloat16', 'the command in bfloat16, '
+                         'warm process'),
                         ('ctranslate2_float32', 'CTranslate2 float32, process'),
                         ('ctranslate2_int8', 'CTranslate2 int8, process')):
       ratio = (q['ctranslate2_float32']['median_s'] / q[kind]['median_s']

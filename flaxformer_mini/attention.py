@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_mini import cpu_kernels
+from flaxformer_mini.cpu_kernels import as_bits
 from flaxformer_mini.config import TransformerConfig
 
 
@@ -39,10 +40,12 @@ def scaled_dot_product_attention(
     dtype is the operands' (config.dtype in the model).
   """
   d_k = query.shape[-1]
-  scores = jnp.einsum('bhqd,bhkd->bhqk', query, key) / jnp.sqrt(
-      jnp.asarray(d_k, query.dtype))
-  # Softmax in float32 even when the matmuls run in a lower precision.
-  scores = scores.astype(jnp.float32)
+  # Both products accumulate in float32 even when their operands are in a
+  # lower precision, and the softmax runs in float32 (asked for a float32
+  # result, XLA's CPU backend hands bfloat16 products to its fast kernels).
+  scores = jnp.einsum('bhqd,bhkd->bhqk', query, key,
+                      preferred_element_type=jnp.float32) / jnp.sqrt(
+                          jnp.float32(d_k))
   if mask is not None:
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1)
@@ -50,8 +53,8 @@ def scaled_dot_product_attention(
     # A row with every key masked would otherwise get uniform weights.
     weights = jnp.where(mask, weights, 0.0)
   output = jnp.einsum('bhqk,bhkd->bhqd', dropout(weights).astype(value.dtype),
-                      value)
-  return output, scores, weights
+                      value, preferred_element_type=jnp.float32)
+  return output.astype(value.dtype), scores, weights
 
 
 def grouped_attention(query, key, value, mask=None, dropout=lambda w: w):
@@ -224,8 +227,8 @@ class MultiHeadAttention(nn.Module):
                                                                        None]
     # Each row writes at its own first position (rows may be at different
     # steps, e.g. sentences that joined a search later).
-    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
-        cache, new, (0, start, 0)))
+    write = as_bits(jax.vmap(lambda cache, new, start: (
+        jax.lax.dynamic_update_slice(cache, new, (0, start, 0)))))
     cached_key.value = write(cached_key.value, key, positions[:, 0])
     cached_value.value = write(cached_value.value, value, positions[:, 0])
     mask = jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]

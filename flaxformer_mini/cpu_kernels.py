@@ -1,18 +1,31 @@
-"""Opt-in (`config.cpu_kernels`): two products of the training step written for XLA's CPU.
+"""Products and moves in the form XLA's CPU backend runs fastest, each with the same values as the plain form.
 
-Nothing here changes a value: each function computes the same product as
-the plain model, with a backward pass written out so that XLA's CPU backend
-gets the operand layout it runs fastest. The Figure-1 files reach it through
-one hook each: every `nn.Dense` takes `dot_general=dot_general_for(config)`,
-and the tied output layer calls `attend` where the switch is on.
+Opt-in (`config.cpu_kernels`): two products of the training step, with a
+backward pass written out so that XLA's CPU backend gets the operand layout
+it runs fastest. Why it pays on a CPU (docs/performance.md has the
+measurements): autodiff computes a weight gradient dL/dW = x^T . dL/dy as
+one product contracted over the tokens, the major axis of both operands,
+and XLA's CPU matmul runs that form up to 1.4x slower than the same product
+with x^T first copied into [d_in, tokens]. The optimization barrier keeps
+XLA from folding the copy back into the product. On a GPU or TPU the copy
+is only an extra pass over the activations, so leave the switch off there.
 
-Why it pays on a CPU (docs/performance.md has the measurements): autodiff
-computes a weight gradient dL/dW = x^T . dL/dy as one product contracted over
-the tokens, the major axis of both operands, and XLA's CPU matmul runs that
-form up to 1.4x slower than the same product with x^T first copied into
-[d_in, tokens]. The optimization barrier keeps XLA from folding the copy
-back into the product. On a GPU or TPU the copy is only an extra pass over
-the activations, so leave the switch off there.
+Always, in a 16-bit dtype (config.dtype bfloat16): every product
+accumulates in float32 and is rounded once (`accumulated_in_float32`, as
+the attention's products and the tied logits in their own files), and the
+search's key/value cache is written and reordered as bits (`as_bits`).
+XLA's CPU backend computes a bfloat16 product in float32 anyway and has no
+bfloat16 gather or scatter, so both are the values it gave before; asked
+this way it runs the products on the CPU's bfloat16 units (AMX or AVX-512
+BF16 where it has them) and moves the cache without converting it: a
+bfloat16 beam search 1.45x faster than float32 on this project's hosts,
+where it was slower. On a GPU or TPU, where products accumulate in float32
+too, they are the same.
+
+The Figure-1 files reach this module through one hook each: every
+`nn.Dense` takes `dot_general=dot_general_for(config)`, the tied output
+layer calls `attend` where the switch is on, and the cache's write calls
+`as_bits`.
 """
 
 import functools
@@ -25,8 +38,21 @@ from flaxformer_mini.config import TransformerConfig
 
 
 def dot_general_for(config: TransformerConfig):
-  """The `dot_general` for nn.Dense: this module's where opted in, else Flax's default."""
-  return dot_general if config.cpu_kernels else None
+  """The `dot_general` for nn.Dense: this module's where opted in; else, in a
+  16-bit dtype, `accumulated_in_float32`; else Flax's default."""
+  if config.cpu_kernels:
+    return dot_general
+  return None if config.dtype == 'float32' else accumulated_in_float32
+
+
+def accumulated_in_float32(x, kernel, dimension_numbers, precision=None,
+                           preferred_element_type=None):
+  """jax.lax.dot_general accumulated in float32 and returned in the operands'
+  dtype: nn.Dense's product in a 16-bit dtype (`_product`)."""
+  del preferred_element_type  # the operands' dtype, as Flax's default
+  return jax.lax.dot_general(
+      x, kernel, dimension_numbers, precision=precision,
+      preferred_element_type=jnp.float32).astype(jnp.result_type(x, kernel))
 
 
 def dot_general(x, kernel, dimension_numbers, precision=None,
@@ -46,10 +72,25 @@ def dot_general(x, kernel, dimension_numbers, precision=None,
       x.shape[:-1] + (kernel.shape[-1],))
 
 
+def _product(spec: str, a, b, precision=None):
+  """jnp.einsum(spec, a, b) accumulated in float32, in a and b's dtype.
+
+  XLA's CPU backend computes a bfloat16 product in float32 anyway (it has
+  no bfloat16 matmul of its own); asked for the float32 result, it hands
+  the product to YNNPACK's bfloat16 kernels instead: 5-10x a float32
+  product on this project's hosts, where the bfloat16 result took longer
+  than float32 (docs/performance.md). For float32 operands it is the
+  plain product.
+  """
+  return jnp.einsum(spec, a, b, precision=precision,
+                    preferred_element_type=jnp.float32).astype(
+                        jnp.result_type(a, b))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x, kernel, precision):
   """x: float[tokens, d_in] @ kernel: float[d_in, d_out] -> float[tokens, d_out]."""
-  return jnp.matmul(x, kernel, precision=precision)
+  return _product('td,de->te', x, kernel, precision)
 
 
 def _matmul_forward(x, kernel, precision):
@@ -58,31 +99,35 @@ def _matmul_forward(x, kernel, precision):
 
 def _matmul_backward(precision, residuals, d_y):
   x, kernel = residuals
-  d_x = jnp.matmul(d_y, kernel.T, precision=precision)
+  d_x = _product('te,de->td', d_y, kernel, precision)
   x_transposed = jax.lax.optimization_barrier(x.T)  # [d_in, tokens], copied
-  return d_x, jnp.matmul(x_transposed, d_y, precision=precision)
+  return d_x, _product('dt,te->de', x_transposed, d_y, precision)
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 def attend(embed: nn.Embed, x):
-  """embed.attend(x), the tied pre-softmax layer, through `tied_logits`."""
+  """The tied pre-softmax layer through `tied_logits`: float32 logits, as
+  `embeddings.TokenEmbedding.attend` gives them."""
   x, table = embed.promote_dtype(x, embed.embedding, dtype=embed.dtype)
   return tied_logits(x, table)
 
 
 @jax.custom_vjp
 def tied_logits(x, table):
-  """x: float[batch, len, d_model] . table: float[vocab, d_model]^T -> float[batch, len, vocab].
+  """x: float[batch, len, d_model] . table: float[vocab, d_model]^T -> float32[batch, len, vocab].
 
-  The tied pre-softmax layer, x @ table.T, with its gradient written out:
+  The tied pre-softmax layer, x @ table.T, accumulated and returned in
+  float32 (as `embeddings.TokenEmbedding.attend`), with its gradient
+  written out:
   autodiff computes d_table = d_logits^T . x, for which XLA's CPU backend
   first copies the whole [tokens, vocab] gradient into [vocab, tokens];
   (x^T . d_logits)^T transposes [tokens, d_model] and the [d_model, vocab]
   result instead, both far smaller.
   """
-  return jnp.einsum('...d,vd->...v', x, table)
+  return jnp.einsum('...d,vd->...v', x, table,
+                    preferred_element_type=jnp.float32)
 
 
 def _tied_logits_forward(x, table):
@@ -91,9 +136,31 @@ def _tied_logits_forward(x, table):
 
 def _tied_logits_backward(residuals, d_logits):
   x, table = residuals
-  d_x = jnp.einsum('...v,vd->...d', d_logits, table)
-  d_table_t = jnp.einsum('...d,...v->dv', x, d_logits)  # [d_model, vocab]
+  d_logits = d_logits.astype(x.dtype)  # the operands' precision
+  d_x = _product('...v,vd->...d', d_logits, table)
+  d_table_t = _product('...d,...v->dv', x, d_logits)  # [d_model, vocab]
   return d_x, d_table_t.T
 
 
 tied_logits.defvjp(_tied_logits_forward, _tied_logits_backward)
+
+
+def as_bits(move):
+  """move(x, *args), a function that only moves x's elements (a gather, a
+  scatter of rows), run on x's bits where x is 16-bit floats: -> the same
+  array, bit for bit.
+
+  XLA's CPU backend has no bfloat16 gather or scatter: it converts the
+  whole operand to float32 and back around each one, which in a bfloat16
+  beam search costs more than the move (the key/value cache written and
+  reordered at every step). Moved as uint16 they are plain copies. The
+  first operand of any other dtype is moved as it is.
+  """
+  def moved(x, *args):
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2):
+      return move(x, *args)
+    args = [jax.lax.bitcast_convert_type(a, jnp.uint16)
+            if getattr(a, 'dtype', None) == x.dtype else a for a in args]
+    return jax.lax.bitcast_convert_type(
+        move(jax.lax.bitcast_convert_type(x, jnp.uint16), *args), x.dtype)
+  return moved

@@ -32,10 +32,18 @@ class TokenEmbedding(nn.Module):
     return self.embed(ids) * jnp.sqrt(float(self.config.d_model))
 
   def attend(self, x):
-    """The tied pre-softmax layer: x: dtype[batch, len, d_model] -> dtype[batch, len, vocab]."""
+    """The tied pre-softmax layer: x: dtype[batch, len, d_model] -> float32[batch, len, vocab].
+
+    The product accumulates in float32 and its logits stay float32 whatever
+    the dtype: the loss and the search's log_softmax take them so, and
+    rounding them to bfloat16 first would lose what they tell apart.
+    """
     if self.config.cpu_kernels:
       return cpu_kernels.attend(self.embed, x)
-    return self.embed.attend(x)
+    x, table = self.embed.promote_dtype(x, self.embed.embedding,
+                                        dtype=self.embed.dtype)
+    return jnp.einsum('...d,vd->...v', x, table,
+                      preferred_element_type=jnp.float32)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_mini.config import DEFAULT_STOPPING, STOPPING_RULES
+from flaxformer_mini.cpu_kernels import as_bits
 
 # (int32[rows, 1] the last tokens, cache) -> (float[rows, vocab] logits, cache)
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -395,9 +396,9 @@ def _gather_beams(x, beam_indices):
 def _gather_cache(cache, beam_indices):
   """Reorders the cache's beam rows to follow beam_indices: int32[batch, beams]."""
   batch, beams = beam_indices.shape
-  return _map_beam_rows(
+  return _map_beam_rows(as_bits(
       lambda leaf: _gather_beams(leaf.reshape((batch, beams) + leaf.shape[1:]),
-                                 beam_indices).reshape(leaf.shape), cache)
+                                 beam_indices).reshape(leaf.shape)), cache)
 
 
 def beam_search(tokens_to_logits: TokensToLogits, cache, *, batch_size: int,

@@ -202,6 +202,12 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   assert processes['test']['command_warm']['same_as_project'] == 30
   assert processes['test']['command_warm']['bleu'] == pytest.approx(
       searches['project']['bleu'])
+  # The same run in bfloat16, searched and as a command (--dtype): the
+  # command writes what the search gives.
+  assert (processes['test']['command_warm_bfloat16']['same_as_project'] ==
+          searches['project_bfloat16']['same_as_project'])
+  assert processes['test']['command_warm_bfloat16']['bleu'] == (
+      pytest.approx(searches['project_bfloat16']['bleu']))
   assert [processes[split]['lines'] for split in ('test', 'train')] == [30, 12]
   # The gap as row-steps times a row-step's time: no search takes fewer
   # than its sentences' own steps; CTranslate2's, read from its beam_size
@@ -227,7 +233,8 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   # batches of 8 run in one stage (a later stage starts above 16 rows).
   assert processes['test']['programs'] == 1
   for split in processes.values():
-    for kind in ('command_cold', 'command_warm', 'ctranslate2_float32',
+    for kind in ('command_cold', 'command_warm', 'command_cold_bfloat16',
+                 'command_warm_bfloat16', 'ctranslate2_float32',
                  'ctranslate2_int8'):
       assert split[kind]['sentences_per_s'] == pytest.approx(
           split['lines'] / split[kind]['median_s'])
@@ -236,6 +243,10 @@ def test_the_translate_benchmark_sets_ctranslate2_beside_the_command(
   table = translate_command.ctranslate2_table(result)
   assert '| the command, warm process | 12 train lines |' in table
   assert '| CTranslate2 float32, search alone | 30 test lines |' in table
+  assert ('| the search alone, this project in bfloat16 | 30 test lines |'
+          in table)
+  assert ('| the command in bfloat16, warm process | 12 train lines |'
+          in table)
   assert '| CTranslate2 int8, process | 30 test lines |' in table
   assert f"8 per device on {compared['devices']} device(s)" in table
   assert "the stopping rule exact (the run's is current_length)" in table

@@ -471,6 +471,37 @@ def test_the_translate_command_decodes_with_the_runs_alpha(tiny_run, tmp_path,
 
 
 @pytest.mark.slow
+def test_the_translate_command_decodes_in_the_dtype_asked(tiny_run, tmp_path,
+                                                         capsys):
+  """--dtype=bfloat16 searches a float32 run in bfloat16: what
+  translate_lines gives with the run's config in bfloat16; without it, the
+  run's own dtype."""
+  # pylint: disable=g-import-not-at-top
+  from flaxformer_mini import translate, translation
+  from flaxformer_mini import workdir as workdir_lib
+  workdir, _ = tiny_run
+  lines = ['Ein Mann fährt Fahrrad.', 'Zwei Hunde spielen im Schnee.']
+  source = tmp_path / 'source.txt'
+  source.write_text('\n'.join(lines) + '\n', encoding='utf-8')
+  run = workdir_lib.load_run(str(workdir))
+  assert run.config.dtype == 'float32'
+  for flags, dtype in (([], 'float32'), (['--dtype=bfloat16'], 'bfloat16')):
+    translate.main([f'--workdir={workdir}', f'--input={source}',
+                    '--beam_size=2', '--compilation_cache=', *flags])
+    expected = translation.translate_lines(
+        run.params, run.config.replace(dtype=dtype), run.tokenizer, lines,
+        beam_size=2)
+    assert capsys.readouterr().out == ''.join(line + '\n'
+                                              for line in expected)
+  with pytest.raises(SystemExit):
+    translate.main([f'--workdir={workdir}', '--dtype=float16'])
+  refused = capsys.readouterr().err.splitlines()
+  assert len(refused) == 1 and refused[0].startswith(  # one line
+      "python -m flaxformer_mini.translate: error: argument --dtype: invalid "
+      "choice: 'float16' (choose from ")
+
+
+@pytest.mark.slow
 def test_the_translate_command_samples_per_line_for_a_seed(tiny_run):
   """--sample: N drawn translations per line on consecutive lines, the same
   for a seed whatever --batch_size; top_k 1 is the greedy search."""
