@@ -61,8 +61,9 @@ class TransformerConfig:
   share_embeddings: bool = True
   tie_output_embedding: bool = True
   layer_norm_epsilon: float = 1e-6
-  # Activations and matmuls; parameters, optimizer state, layer-norm
-  # statistics, softmax and loss stay float32.
+  # Activations and matmuls (every product accumulating in float32);
+  # parameters, optimizer state, layer-norm statistics, softmax, the tied
+  # output layer's logits and the loss stay float32.
   dtype: str = 'float32'
   # Recompute each layer's activations in the backward pass instead of
   # keeping them (jax.checkpoint): far less activation memory for large
