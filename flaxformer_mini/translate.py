@@ -135,7 +135,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument('--dtype', choices=DTYPES,
                       help="the search's activations, products and key/value "
                       "cache (default: the run's dtype). bfloat16 decodes a "
-                      'float32 run 1.45x faster on a CPU with bfloat16 units '
+                      'float32 run 1.5x faster on a CPU with bfloat16 units '
                       '(AMX or AVX-512 BF16), as on a TPU or GPU, for a few '
                       'translations in a hundred different '
                       '(docs/performance.md).')
