@@ -44,8 +44,9 @@ def scaled_dot_product_attention(
   # lower precision, and the softmax runs in float32 (asked for a float32
   # result, XLA's CPU backend hands bfloat16 products to its fast kernels).
   scores = jnp.einsum('bhqd,bhkd->bhqk', query, key,
-                      preferred_element_type=jnp.float32) / jnp.sqrt(
-                          jnp.float32(d_k))
+                      preferred_element_type=cpu_kernels.result_dtype(
+                          query, key)).astype(jnp.float32) / jnp.sqrt(
+                              jnp.float32(d_k))
   if mask is not None:
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1)
@@ -53,7 +54,8 @@ def scaled_dot_product_attention(
     # A row with every key masked would otherwise get uniform weights.
     weights = jnp.where(mask, weights, 0.0)
   output = jnp.einsum('bhqk,bhkd->bhqd', dropout(weights).astype(value.dtype),
-                      value, preferred_element_type=jnp.float32)
+                      value, preferred_element_type=cpu_kernels.result_dtype(
+                          value))
   return output.astype(value.dtype), scores, weights
 
 

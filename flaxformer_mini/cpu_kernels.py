@@ -20,7 +20,8 @@ this way it runs the products on the CPU's bfloat16 units (AMX or AVX-512
 BF16 where it has them) and moves the cache without converting it: a
 bfloat16 beam search 1.5x faster than float32 on this project's hosts,
 where it was slower. On a GPU or TPU, where products accumulate in float32
-too, they are the same.
+too, they are the same. Before jax 0.10 (`result_dtype`) the products keep
+their operands' dtype, as Flax's default.
 
 The Figure-1 files reach this module through one hook each: every
 `nn.Dense` takes `dot_general=dot_general_for(config)`, the tied output
@@ -35,6 +36,18 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_mini.config import TransformerConfig
+
+
+# Before jax 0.10 XLA's CPU backend cannot run a bfloat16 product that
+# returns float32 (UNIMPLEMENTED in its DotThunk, measured on jax 0.7.2):
+# there a product returns its operands' dtype, as Flax's default does.
+_FLOAT32_RESULTS = jax.__version_info__ >= (0, 10)
+
+
+def result_dtype(*operands):
+  """The dtype a product of `operands` returns: float32 where this JAX can
+  (the accumulator's), else the operands' own."""
+  return jnp.float32 if _FLOAT32_RESULTS else jnp.result_type(*operands)
 
 
 def dot_general_for(config: TransformerConfig):
@@ -52,7 +65,8 @@ def accumulated_in_float32(x, kernel, dimension_numbers, precision=None,
   del preferred_element_type  # the operands' dtype, as Flax's default
   return jax.lax.dot_general(
       x, kernel, dimension_numbers, precision=precision,
-      preferred_element_type=jnp.float32).astype(jnp.result_type(x, kernel))
+      preferred_element_type=result_dtype(x, kernel)).astype(
+          jnp.result_type(x, kernel))
 
 
 def dot_general(x, kernel, dimension_numbers, precision=None,
@@ -83,7 +97,7 @@ def _product(spec: str, a, b, precision=None):
   plain product.
   """
   return jnp.einsum(spec, a, b, precision=precision,
-                    preferred_element_type=jnp.float32).astype(
+                    preferred_element_type=result_dtype(a, b)).astype(
                         jnp.result_type(a, b))
 
 
@@ -127,7 +141,8 @@ def tied_logits(x, table):
   result instead, both far smaller.
   """
   return jnp.einsum('...d,vd->...v', x, table,
-                    preferred_element_type=jnp.float32)
+                    preferred_element_type=result_dtype(x, table)).astype(
+                        jnp.float32)
 
 
 def _tied_logits_forward(x, table):

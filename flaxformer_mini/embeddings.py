@@ -43,7 +43,8 @@ class TokenEmbedding(nn.Module):
     x, table = self.embed.promote_dtype(x, self.embed.embedding,
                                         dtype=self.embed.dtype)
     return jnp.einsum('...d,vd->...v', x, table,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=cpu_kernels.result_dtype(
+                          x, table)).astype(jnp.float32)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
