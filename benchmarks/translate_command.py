@@ -24,14 +24,16 @@ With a workdir, also against CTranslate2 (the ctranslate2 extra) on the same
 weights, converted by flaxformer_mini.to_ctranslate2, beam --beam, its length
 penalty set to the run's alpha (a different formula: to_ctranslate2 says
 how), batches of --batch_size, every core: the searches alone in this
-process, in turns (the project's compiled search and CTranslate2's in float32:
-a second CTranslate2 translator in one process slows the first), on the test
+process, in turns (the project's compiled search, in float32 and in bfloat16,
+and CTranslate2's in float32: a second CTranslate2 translator in one process
+slows the first), on the test
 lines, and where the gap between them is: the beam row-steps each search
 takes (the project's counted in its programs, against its sentences' own
 steps to their ends; CTranslate2's read from its hypotheses) and the time of
 one; then whole processes, in turns, on the test lines and the first
 --train_lines lines of the training split: the translate command with an
-empty compilation cache (cold) and again on it (warm), and a CTranslate2
+empty compilation cache (cold) and again on it (warm), in float32 and with
+--dtype=bfloat16, and a CTranslate2
 process (import, load, tokenize, translate, write) in float32 and int8, each
 process's output on the test lines scored (BLEU, lines the same as the
 project's search). With --write_docs the table goes into docs/performance.md.
