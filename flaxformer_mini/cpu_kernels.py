@@ -140,6 +140,14 @@ def tied_logits(x, table):
   (x^T . d_logits)^T transposes [tokens, d_model] and the [d_model, vocab]
   result instead, both far smaller.
   """
+  return float32_logits(x, table)
+
+
+def float32_logits(x, table):
+  """x: float[..., d_model] . table: float[vocab, d_model]^T ->
+  float32[..., vocab], accumulated in float32 where this JAX can
+  (`result_dtype`): the tied pre-softmax layer's product, plain or through
+  `tied_logits`."""
   return jnp.einsum('...d,vd->...v', x, table,
                     preferred_element_type=result_dtype(x, table)).astype(
                         jnp.float32)

@@ -42,9 +42,7 @@ class TokenEmbedding(nn.Module):
       return cpu_kernels.attend(self.embed, x)
     x, table = self.embed.promote_dtype(x, self.embed.embedding,
                                         dtype=self.embed.dtype)
-    return jnp.einsum('...d,vd->...v', x, table,
-                      preferred_element_type=cpu_kernels.result_dtype(
-                          x, table)).astype(jnp.float32)
+    return cpu_kernels.float32_logits(x, table)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
