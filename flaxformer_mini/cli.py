@@ -36,9 +36,11 @@ def missing_translation_extras() -> str | None:
   return None
 
 
-def load_translation_run(parser, workdir: str, which: str):
-  """The trained translation run in `workdir` (`workdir.load_run`), or the
-  parser's one-line error naming what is missing or damaged there."""
+def load_translation_run(parser, workdir: str, which: str,
+                         params_shape=None):
+  """The trained translation run in `workdir` (`workdir.load_run`, with
+  its params_shape), or the parser's one-line error naming what is missing
+  or damaged there."""
   # pylint: disable=g-import-not-at-top
   from flaxformer_mini import workdir as workdir_lib
   from flaxformer_mini.checkpoints import CheckpointError
@@ -49,7 +51,7 @@ def load_translation_run(parser, workdir: str, which: str):
     parser.error(f'--workdir={workdir}: no {vocabulary} there; train '
                  'with train.py --task=translate first.')
   try:
-    return workdir_lib.load_run(workdir, which)
+    return workdir_lib.load_run(workdir, which, params_shape=params_shape)
   except (CheckpointError, DataError, workdir_lib.WorkdirError) as e:
     parser.error(str(e))
 

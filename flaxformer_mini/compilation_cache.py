@@ -5,16 +5,20 @@ run, the next translate call) skips XLA's compilation, which takes seconds
 per program on a CPU host, but still traces and lowers every program.
 `Executables`: the translate command's own programs serialized whole
 (jax.experimental.serialize_executable), so a later process loads them in
-milliseconds with no tracing, lowering or compiling at all.
+milliseconds with no tracing, lowering or compiling at all; and the shapes
+of the model's parameters that loading a run checks its checkpoint against
+(`Executables.params_shape`), which would otherwise trace the model's init.
 
 Both kinds of file share one folder, kept to `MAX_BYTES` (`prune`): every
 start and every program written removes the least recently used first, as
 each version of the code, each shape and each model leaves its own.
 """
 
+import contextlib
 import functools
 import glob
 import hashlib
+import json
 import os
 import pickle
 import sys
@@ -27,6 +31,8 @@ from flaxformer_mini import disk
 _DEFAULT_DIR = os.environ.get('JAX_COMPILATION_CACHE_DIR', os.path.join(
     os.path.expanduser('~'), '.cache', 'flaxformer_mini', 'xla'))
 _SUFFIX = '.executable'
+# The parameters' shapes of a config (`Executables.params_shape`).
+_SHAPES_SUFFIX = '.shapes.json'
 # XLA's persistent cache names its files <program>-<key>-cache.
 _XLA_SUFFIX = '-cache'
 # What the folder may hold: hundreds of a small model's programs, tens of a
@@ -60,7 +66,8 @@ def use(directory: str, max_bytes: int = MAX_BYTES) -> None:
 
 def prune(directory: str, max_bytes: int = MAX_BYTES, keep: str = '') -> None:
   """Removes the least recently used compiled programs of `directory` (XLA's
-  and `Executables`') until the rest hold at most max_bytes; never `keep`.
+  and `Executables`', with the parameters' shapes it keeps) until the rest
+  hold at most max_bytes; never `keep`.
 
   Last use is a file's access or modification time, whichever is later
   (a program loaded by `Executables` is touched). Half-written programs
@@ -74,7 +81,7 @@ def prune(directory: str, max_bytes: int = MAX_BYTES, keep: str = '') -> None:
       stat = os.stat(path)
     except OSError:
       continue
-    if path.endswith((_SUFFIX, _XLA_SUFFIX)):
+    if path.endswith((_SUFFIX, _XLA_SUFFIX, _SHAPES_SUFFIX)):
       programs.append((max(stat.st_atime, stat.st_mtime), stat.st_size, path))
     elif path.endswith(disk.PARTIAL) and stat.st_mtime < dead:
       _remove(path)
@@ -291,6 +298,41 @@ class Executables:
                                                    traced=start_ahead)
     self._write(name, path, compiled)
     return compiled(*args)
+
+  def params_shape(self, config):
+    """`checkpoints.params_shape(config)`, kept in the folder: a later
+    process reads the shapes and dtypes of the model's parameters, which a
+    run's checkpoint is checked against as it loads, instead of tracing the
+    model's init for them (0.7 s of a warm translate command, the only
+    tracing left there; docs/performance.md). Kept per version of the code,
+    config and environment, as the programs are; a file that does not read
+    is traced again and written over."""
+    # pylint: disable=g-import-not-at-top
+    import jax
+    from flaxformer_mini import checkpoints
+    # pylint: enable=g-import-not-at-top
+    path = os.path.join(self.directory, 'params_shape-' + _digest(
+        self._code, repr(config), self._environment) + _SHAPES_SUFFIX)
+    leaf = lambda x: isinstance(x, list)  # [shape, dtype]
+    try:
+      with open(path, encoding='utf-8') as f:
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(tuple(x[0]), x[1]), json.load(f),
+            is_leaf=leaf)
+      with contextlib.suppress(OSError):
+        os.utime(path)  # used now: the last that `prune` removes
+      return shapes
+    except (OSError, ValueError, TypeError, IndexError):
+      pass
+    shapes = checkpoints.params_shape(config)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      with disk.written_whole(path, 'w') as f:
+        json.dump(jax.tree.map(lambda x: [list(x.shape), str(x.dtype)],
+                               shapes), f)
+    except OSError:
+      pass  # the next process traces them again
+    return shapes
 
   def _load(self, name: str, program: str, path: str):
     """The program at `path`, or None (noted where one was made elsewhere,

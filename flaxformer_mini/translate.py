@@ -184,7 +184,9 @@ def main(argv: list[str]) -> None:
       args.compilation_cache,
       note=lambda line: print(f'translate: note: {line}', file=sys.stderr)
   ) if args.compilation_cache else None
-  run = cli.load_translation_run(parser, args.workdir, args.params)
+  run = cli.load_translation_run(
+      parser, args.workdir, args.params,
+      params_shape=executables.params_shape if executables else None)
   config = run.config.replace(dtype=args.dtype or run.config.dtype)
   if sampling is not None:
     sampling = translation.Sampling(**sampling)

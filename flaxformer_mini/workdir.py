@@ -192,7 +192,8 @@ def _chosen(path: str) -> str:
   return results.get('translate_with', 'latest')
 
 
-def load_run(path: str, which: str = 'best', sharding=None) -> TrainedRun:
+def load_run(path: str, which: str = 'best', sharding=None,
+             params_shape=None) -> TrainedRun:
   """The trained run in the workdir `path`: its config, parameters, vocabulary.
 
   which: 'best' (what the run chose for translating: the averaged or the
@@ -201,7 +202,10 @@ def load_run(path: str, which: str = 'best', sharding=None) -> TrainedRun:
   config is the one saved with those parameters. Nothing in `path` is
   written, so a run may be read while it trains; a checkpoint that the
   training run deletes while it is read (it keeps only its last few) is
-  replaced by the newest one.
+  replaced by the newest one. params_shape(config): the shapes and dtypes
+  of the model's parameters, which the checkpoint is checked against
+  (default `checkpoints.params_shape`, which traces the model's init;
+  `compilation_cache.Executables.params_shape` keeps them on disk).
 
   Raises:
     WorkdirError: `path` is not a run's folder.
@@ -230,8 +234,8 @@ def load_run(path: str, which: str = 'best', sharding=None) -> TrainedRun:
                                    'checkpoint.')
       try:
         config = ckpt.saved_config(checkpoints.read_meta(step))
-        params = checkpoints.restore_params(step, ckpt.params_shape(config),
-                                            sharding)
+        params = checkpoints.restore_params(
+            step, (params_shape or ckpt.params_shape)(config), sharding)
         break
       except ckpt.CheckpointError:
         if os.path.isdir(checkpoints.step_path(step)):

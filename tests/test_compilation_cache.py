@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from flaxformer_mini import compilation_cache
@@ -163,6 +164,35 @@ def test_pruning_keeps_other_files_and_removes_dead_writers_files(tmp_path):
       tmp_path / 'c.executable'))
   assert sorted(os.listdir(tmp_path)) == ['c.executable', 'notes.txt',
                                           'tmp2.partial']
+
+
+def test_the_parameters_shapes_are_kept_and_read_without_tracing(
+    tmp_path, monkeypatch):
+  """Loading a run checks its checkpoint against the model's parameters'
+  shapes: a later process reads them from the folder instead of tracing
+  the model's init; a damaged file is traced again and written whole."""
+  from flaxformer_mini import checkpoints  # pylint: disable=g-import-not-at-top
+  from conftest import tiny_translation_config  # pylint: disable=g-import-not-at-top
+  config = tiny_translation_config()
+  traced = checkpoints.params_shape(config)
+  assert compilation_cache.Executables(str(tmp_path)).params_shape(
+      config) == traced
+  [kept] = tmp_path.glob('*.shapes.json')
+  def no_tracing(config):
+    raise AssertionError(f'traced the init of {config}')
+  monkeypatch.setattr(checkpoints, 'params_shape', no_tracing)
+  later = compilation_cache.Executables(str(tmp_path))
+  assert later.params_shape(config) == traced
+  # Another config's shapes are not these: it traces.
+  with pytest.raises(AssertionError, match='traced the init'):
+    later.params_shape(config.replace(d_ff=128))
+  kept.write_text(kept.read_text()[:40])
+  monkeypatch.undo()
+  assert later.params_shape(config) == traced
+  assert jax.tree.map(lambda x: [list(x.shape), str(x.dtype)], traced) == (
+      json.loads(kept.read_text()))
+  compilation_cache.prune(str(tmp_path), max_bytes=0)  # kept as programs are
+  assert not list(tmp_path.glob('*.shapes.json'))
 
 
 def test_the_key_names_what_a_program_only_runs_under():
