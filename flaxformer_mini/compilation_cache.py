@@ -9,7 +9,7 @@ milliseconds with no tracing, lowering or compiling at all; and the shapes
 of the model's parameters that loading a run checks its checkpoint against
 (`Executables.params_shape`), which would otherwise trace the model's init.
 
-Both kinds of file share one folder, kept to `MAX_BYTES` (`prune`): every
+Their files share one folder, kept to `MAX_BYTES` (`prune`): every
 start and every program written removes the least recently used first, as
 each version of the code, each shape and each model leaves its own.
 """
@@ -303,10 +303,10 @@ class Executables:
     """`checkpoints.params_shape(config)`, kept in the folder: a later
     process reads the shapes and dtypes of the model's parameters, which a
     run's checkpoint is checked against as it loads, instead of tracing the
-    model's init for them (0.7 s of a warm translate command, the only
-    tracing left there; docs/performance.md). Kept per version of the code,
-    config and environment, as the programs are; a file that does not read
-    is traced again and written over."""
+    model's init for them (a quarter of a second of every warm translate
+    command, the only tracing left there; docs/performance.md). Kept per
+    version of the code, config and environment, as the programs are; a
+    file that does not read is traced again and written over."""
     # pylint: disable=g-import-not-at-top
     import jax
     from flaxformer_mini import checkpoints
