@@ -305,14 +305,17 @@ class Executables:
     run's checkpoint is checked against as it loads, instead of tracing the
     model's init for them (a quarter of a second of every warm translate
     command, the only tracing left there; docs/performance.md). Kept per
-    version of the code, config and environment, as the programs are; a
-    file that does not read is traced again and written over."""
+    version of the code, config, environment and Flax; a file that does
+    not read is traced again and written over."""
     # pylint: disable=g-import-not-at-top
+    import flax
     import jax
     from flaxformer_mini import checkpoints
     # pylint: enable=g-import-not-at-top
+    # Flax names and shapes the parameters: its version is part of the key.
     path = os.path.join(self.directory, 'params_shape-' + _digest(
-        self._code, repr(config), self._environment) + _SHAPES_SUFFIX)
+        self._code, repr(config), self._environment, flax.__version__) +
+                        _SHAPES_SUFFIX)
     leaf = lambda x: isinstance(x, list)  # [shape, dtype]
     try:
       with open(path, encoding='utf-8') as f:
