@@ -171,24 +171,28 @@ def _persistent_cache(on: bool) -> None:
 
 
 def _compile_afresh(jitted, args, static,
-                    traced: Callable[[Any], None] = lambda out: None):
+                    lowered: Callable[[Any], None] = lambda out: None):
   """jitted compiled for args by XLA itself, never handed back by the
   persistent cache: a program loaded from there serializes into a file that
   does not run (XLA's CPU runtime, jax 0.10: 'Function ... not found').
   Two threads may compile at once (`Executables.ahead`): the cache is off
-  from the first one's start to the last one's end. traced(the program's
-  result as jax.ShapeDtypeStructs) is called once it is traced, before it
-  is lowered and compiled."""
+  from the first one's start to the last one's end. lowered(the program's
+  result as jax.ShapeDtypeStructs) is called once it is traced and
+  lowered, before XLA compiles it."""
   import jax  # pylint: disable=g-import-not-at-top
   program = jitted.trace(*args, **static)
-  traced(program.out_info)
   with _AFRESH_LOCK:
     if not _AFRESH['count']:
       _AFRESH['enabled'] = jax.config.jax_enable_compilation_cache
       _persistent_cache(False)
     _AFRESH['count'] += 1
   try:
-    return program.lower().compile()
+    lowering = program.lower()
+    # Not before: what starts here (a later program's tracing) is Python,
+    # as lowering is, and the two would take turns on its lock, where XLA's
+    # compiling runs beside it (docs/performance.md).
+    lowered(program.out_info)
+    return lowering.compile()
   finally:
     with _AFRESH_LOCK:
       _AFRESH['count'] -= 1
@@ -228,7 +232,7 @@ class Executables:
     self._code = _code_digest()
     self._environment = _environment()
     self._ahead: dict[str, list[threading.Thread]] = {}
-    # Compiles to start once a program is traced: its name -> the starters.
+    # Compiles to start once a program is lowered: its name -> the starters.
     self._after: dict[str, list[Callable[[Any], None]]] = {}
 
   def _call_path(self, name: str, args, static) -> tuple[str, str]:
@@ -239,10 +243,11 @@ class Executables:
 
   def ahead(self, name: str, jitted, arguments: Callable[[Any], tuple], *,
             after: str, **static) -> None:
-    """Once this process's next call of program `after` has traced it to
-    compile it, compiles on a thread of its own the program of a later call
-    self(name, jitted, *args, **static), beside `after`'s lowering and
-    compiling; that later call waits for it instead of compiling.
+    """Once this process's next call of program `after` has traced and
+    lowered it to compile it, compiles on a thread of its own the program
+    of a later call self(name, jitted, *args, **static), beside XLA's
+    compiling of `after`; that later call waits for it instead of
+    compiling.
 
     arguments(`after`'s result as jax.ShapeDtypeStructs) runs on that thread
     and gives args or their jax.ShapeDtypeStructs (shapes, dtypes,
@@ -291,11 +296,11 @@ class Executables:
           raise
         self._note(f'the compiled {name} in {path} did not run '
                    f'({str(e).splitlines()[0][:80]}); compiling it again.')
-    def start_ahead(result):  # the compiles waiting on this one's trace
+    def start_ahead(result):  # the compiles waiting on this one's lowering
       for start in starters:
         start(result)
     compiled = _IN_PROCESS[path] = _compile_afresh(jitted, args, static,
-                                                   traced=start_ahead)
+                                                   lowered=start_ahead)
     self._write(name, path, compiled)
     return compiled(*args)
 

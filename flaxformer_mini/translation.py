@@ -287,8 +287,8 @@ def _beam_search_in_stages(params, src: np.ndarray, config: TransformerConfig,
   on_devices = _put_rows(mesh, src)
   if next_rows and hasattr(programs, 'ahead'):
     # A process that compiles the first stage compiles the later one too:
-    # both at once (the later one's tracing and compiling beside the first
-    # one's lowering and compiling).
+    # both at once (the later one's tracing and compiling beside XLA's
+    # compiling of the first).
     programs.ahead('later_stage', _jit_later_stage, functools.partial(
         _later_stage_arguments, params, next_rows, mesh),
                    after='first_stage', until_searching=_next_rows(next_rows),

@@ -219,9 +219,9 @@ sources = [rng.integers(cfg.first_ordinary_id, cfg.src_vocab_size,
            for n in rng.integers(1, 9, 32 * jax.local_device_count())]
 compiled, called = [], []
 afresh = compilation_cache._compile_afresh
-def logged(jitted, args, static, **traced):
+def logged(jitted, args, static, **lowered):
   compiled.append([jitted.__name__, threading.current_thread().name])
-  return afresh(jitted, args, static, **traced)
+  return afresh(jitted, args, static, **lowered)
 compilation_cache._compile_afresh = logged
 call = compilation_cache.Executables.__call__
 def counted(self, name, *args, **static):
