@@ -287,15 +287,14 @@ def against_ctranslate2(workdir: str, data_dir: str, beam: int,
   sources = [vocab.encode(line) for line in test]
   translator = ctranslate2.Translator(folder, compute_type='float32',
                                       **CTRANSLATE2_THREADS)
-  in_bfloat16 = config.replace(dtype='bfloat16')
+  searched_as = lambda config: lambda: [vocab.decode(ids) for ids in
+                                        translate_ids(
+      trained.params, config, sources, beam_size=beam, batch_size=batch_size,
+      stopping=stopping)]
   runs = {
-      'project': lambda: [vocab.decode(ids) for ids in translate_ids(
-          trained.params, config, sources, beam_size=beam,
-          batch_size=batch_size, stopping=stopping)],
+      'project': searched_as(config),
       # The same run searched in bfloat16 (the command's --dtype=bfloat16).
-      'project_bfloat16': lambda: [vocab.decode(ids) for ids in translate_ids(
-          trained.params, in_bfloat16, sources, beam_size=beam,
-          batch_size=batch_size, stopping=stopping)],
+      'project_bfloat16': searched_as(config.replace(dtype='bfloat16')),
       'ctranslate2_float32': functools.partial(
           _ctranslate2_search, translator, vocab, test, beam, alpha,
           batch_size, limit)}

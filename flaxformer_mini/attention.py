@@ -43,20 +43,17 @@ def scaled_dot_product_attention(
   # Both products accumulate in float32 even when their operands are in a
   # lower precision, and the softmax runs in float32 (asked for a float32
   # result, XLA's CPU backend hands bfloat16 products to its fast kernels).
-  scores = jnp.einsum('bhqd,bhkd->bhqk', query, key,
-                      preferred_element_type=cpu_kernels.result_dtype(
-                          query, key)).astype(jnp.float32) / jnp.sqrt(
-                              jnp.float32(d_k))
+  scores = cpu_kernels.product('bhqd,bhkd->bhqk', query, key,
+                               dtype=jnp.float32) / jnp.sqrt(jnp.float32(d_k))
   if mask is not None:
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1)
   if mask is not None:
     # A row with every key masked would otherwise get uniform weights.
     weights = jnp.where(mask, weights, 0.0)
-  output = jnp.einsum('bhqk,bhkd->bhqd', dropout(weights).astype(value.dtype),
-                      value, preferred_element_type=cpu_kernels.result_dtype(
-                          value))
-  return output.astype(value.dtype), scores, weights
+  output = cpu_kernels.product('bhqk,bhkd->bhqd',
+                               dropout(weights).astype(value.dtype), value)
+  return output, scores, weights
 
 
 def grouped_attention(query, key, value, mask=None, dropout=lambda w: w):

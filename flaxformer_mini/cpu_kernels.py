@@ -11,9 +11,9 @@ XLA from folding the copy back into the product. On a GPU or TPU the copy
 is only an extra pass over the activations, so leave the switch off there.
 
 Always, in a 16-bit dtype (config.dtype bfloat16): every product
-accumulates in float32 and is rounded once (`accumulated_in_float32`, as
-the attention's products and the tied logits in their own files), and the
-search's key/value cache is written and reordered as bits (`as_bits`).
+accumulates in float32 and is rounded once (`accumulated_in_float32` for
+nn.Dense, `product` for the attention's products and the tied logits), and
+the search's key/value cache is written and reordered as bits (`as_bits`).
 XLA's CPU backend computes a bfloat16 product in float32 anyway and has no
 bfloat16 gather or scatter, so both are the values it gave before; asked
 this way it runs the products on the CPU's bfloat16 units (AMX or AVX-512
@@ -25,13 +25,13 @@ their operands' dtype, as Flax's default.
 
 The Figure-1 files reach this module through one hook each: every
 `nn.Dense` takes `dot_general=dot_general_for(config)`, the tied output
-layer calls `attend` where the switch is on, and the cache's write calls
+layer calls `tied_logits` where the switch is on (else `float32_logits`),
+the attention's products are `product`s, and the cache's write calls
 `as_bits`.
 """
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -61,7 +61,7 @@ def dot_general_for(config: TransformerConfig):
 def accumulated_in_float32(x, kernel, dimension_numbers, precision=None,
                            preferred_element_type=None):
   """jax.lax.dot_general accumulated in float32 and returned in the operands'
-  dtype: nn.Dense's product in a 16-bit dtype (why: `_product`)."""
+  dtype: nn.Dense's product in a 16-bit dtype (why: `product`)."""
   del preferred_element_type  # the operands' dtype, as Flax's default
   return jax.lax.dot_general(
       x, kernel, dimension_numbers, precision=precision,
@@ -86,8 +86,9 @@ def dot_general(x, kernel, dimension_numbers, precision=None,
       x.shape[:-1] + (kernel.shape[-1],))
 
 
-def _product(spec: str, a, b, precision=None):
-  """jnp.einsum(spec, a, b) accumulated in float32, in a and b's dtype.
+def product(spec: str, a, b, precision=None, dtype=None):
+  """jnp.einsum(spec, a, b) accumulated in float32 where this JAX can
+  (`result_dtype`), returned in `dtype` (default: a and b's).
 
   XLA's CPU backend computes a bfloat16 product in float32 anyway (it has
   no bfloat16 matmul of its own); asked for the float32 result, it hands
@@ -98,13 +99,13 @@ def _product(spec: str, a, b, precision=None):
   """
   return jnp.einsum(spec, a, b, precision=precision,
                     preferred_element_type=result_dtype(a, b)).astype(
-                        jnp.result_type(a, b))
+                        dtype or jnp.result_type(a, b))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x, kernel, precision):
   """x: float[tokens, d_in] @ kernel: float[d_in, d_out] -> float[tokens, d_out]."""
-  return _product('td,de->te', x, kernel, precision)
+  return product('td,de->te', x, kernel, precision)
 
 
 def _matmul_forward(x, kernel, precision):
@@ -113,19 +114,12 @@ def _matmul_forward(x, kernel, precision):
 
 def _matmul_backward(precision, residuals, d_y):
   x, kernel = residuals
-  d_x = _product('te,de->td', d_y, kernel, precision)
+  d_x = product('te,de->td', d_y, kernel, precision)
   x_transposed = jax.lax.optimization_barrier(x.T)  # [d_in, tokens], copied
-  return d_x, _product('dt,te->de', x_transposed, d_y, precision)
+  return d_x, product('dt,te->de', x_transposed, d_y, precision)
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward)
-
-
-def attend(embed: nn.Embed, x):
-  """The tied pre-softmax layer through `tied_logits`: float32 logits, as
-  `embeddings.TokenEmbedding.attend` gives them."""
-  x, table = embed.promote_dtype(x, embed.embedding, dtype=embed.dtype)
-  return tied_logits(x, table)
 
 
 @jax.custom_vjp
@@ -133,7 +127,7 @@ def tied_logits(x, table):
   """x: float[batch, len, d_model] . table: float[vocab, d_model]^T -> float32[batch, len, vocab].
 
   The tied pre-softmax layer, x @ table.T, accumulated and returned in
-  float32 (as `embeddings.TokenEmbedding.attend`), with its gradient
+  float32 (as `float32_logits`), with its gradient
   written out:
   autodiff computes d_table = d_logits^T . x, for which XLA's CPU backend
   first copies the whole [tokens, vocab] gradient into [vocab, tokens];
@@ -148,9 +142,7 @@ def float32_logits(x, table):
   float32[..., vocab], accumulated in float32 where this JAX can
   (`result_dtype`): the tied pre-softmax layer's product, plain or through
   `tied_logits`."""
-  return jnp.einsum('...d,vd->...v', x, table,
-                    preferred_element_type=result_dtype(x, table)).astype(
-                        jnp.float32)
+  return product('...d,vd->...v', x, table, dtype=jnp.float32)
 
 
 def _tied_logits_forward(x, table):
@@ -160,8 +152,8 @@ def _tied_logits_forward(x, table):
 def _tied_logits_backward(residuals, d_logits):
   x, table = residuals
   d_logits = d_logits.astype(x.dtype)  # the operands' precision
-  d_x = _product('...v,vd->...d', d_logits, table)
-  d_table_t = _product('...d,...v->dv', x, d_logits)  # [d_model, vocab]
+  d_x = product('...v,vd->...d', d_logits, table)
+  d_table_t = product('...d,...v->dv', x, d_logits)  # [d_model, vocab]
   return d_x, d_table_t.T
 
 

@@ -38,11 +38,12 @@ class TokenEmbedding(nn.Module):
     the dtype: the loss and the search's log_softmax take them so, and
     rounding them to bfloat16 first would lose what they tell apart.
     """
-    if self.config.cpu_kernels:
-      return cpu_kernels.attend(self.embed, x)
     x, table = self.embed.promote_dtype(x, self.embed.embedding,
                                         dtype=self.embed.dtype)
-    return cpu_kernels.float32_logits(x, table)
+    # cpu_kernels: the same logits, with the gradient XLA's CPU runs fastest.
+    logits = (cpu_kernels.tied_logits if self.config.cpu_kernels else
+              cpu_kernels.float32_logits)
+    return logits(x, table)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
